@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny targets and DFlash drafters, built once per session.
+
+vLLM on CPU needs a host IP it can bind without a network; engines must keep
+multiprocessing on (numba, imported by test modules, breaks the in-process engine).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+from vllm_ddtree import tiny_models as tm  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models_dir: Path) -> Path:
+    """Random Llama target (tied embeddings, varied greedy output)."""
+    return tm.make_target(tiny_models_dir / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_models_dir: Path) -> Path:
+    """Random Qwen3 target (tied embeddings, varied greedy output)."""
+    return tm.make_target(tiny_models_dir / "qwen3", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_repetitive(tiny_models_dir: Path) -> Path:
+    """Llama target whose greedy output comes in long runs of one token, so a
+    ``mode="repeat"`` drafter gets most drafts accepted (and some rejected)."""
+    return tm.make_target(tiny_models_dir / "llama_repetitive", "llama", embed_std=3.0)
+
+
+@pytest.fixture(scope="session")
+def make_drafter(tiny_models_dir: Path) -> Callable[..., Path]:
+    """``make_drafter(target_dir, block_size, mode="random", num_layers=1)`` returns
+    the directory of a DFlash drafter for that target, built once per arguments.
+    Run it with ``num_speculative_tokens = block_size - 1`` under native dflash."""
+    cache: dict[tuple[str, int, str, int], Path] = {}
+
+    def make(
+        target_dir: Path, block_size: int, mode: str = "random", num_layers: int = 1
+    ) -> Path:
+        key = (str(target_dir), block_size, mode, num_layers)
+        if key not in cache:
+            # "dflash" in the name also lets vLLM infer the method from the path.
+            name = f"{Path(target_dir).name}-dflash-b{block_size}-{mode}-l{num_layers}"
+            cache[key] = tm.make_dflash_drafter(
+                tiny_models_dir / name,
+                target_dir,
+                block_size=block_size,
+                num_layers=num_layers,
+                mode=mode,  # type: ignore[arg-type]
+            )
+        return cache[key]
+
+    return make

@@ -1,0 +1,156 @@
+"""Tree attention on vLLM's CPU backend (CPU_ATTN).
+
+The platform kernel runs every row as usual (prefill, chunked prefill, plain
+decode); afterwards the verify rows of requests that carry a tree are
+recomputed with the torch reference under their ancestor masks. On the CPU
+this double work on a few verify rows is cheap next to the model's GEMMs.
+
+CPU_ATTN's cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
+per layer; within each (block, head) the first ``block_size * head_dim``
+elements hold K transposed (``[head_dim, block_size]``) and the rest hold V
+(``[block_size, head_dim]``), for the ``vec``/``vec16`` kernels that fp32 and
+bf16 use on x86 and Arm without AMX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_ddtree.attention.reference import tree_attention_reference
+from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
+
+# Cache interiors this module knows how to read (see the module docstring).
+_PLAIN_ISAS = ("vec", "vec16", "neon")
+
+
+class DDTreeCPUAttentionBackend(CPUAttentionBackend):
+    """CPU_ATTN plus ancestor-masked verify rows."""
+
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeCPUAttentionImpl]:
+        return DDTreeCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeCPUAttentionMetadataBuilder]:
+        return DDTreeCPUAttentionMetadataBuilder
+
+    @staticmethod
+    def move_kv_slots(
+        kv_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, 2 * head_dim]
+        src_slots: torch.Tensor,  # [num_moves] int64
+        dst_slots: torch.Tensor,  # [num_moves] int64
+    ) -> None:
+        """cache[dst] = old cache[src] for K and V of every head, in place."""
+        block_size = kv_cache.shape[2]
+        src_b, src_o = src_slots // block_size, src_slots % block_size
+        dst_b, dst_o = dst_slots // block_size, dst_slots % block_size
+        for cache in split_kv_cache(kv_cache):  # [nb, bs, h, d] strided views
+            moved = cache[src_b, src_o].clone()  # gather every source first
+            cache[dst_b, dst_o] = moved
+
+
+@dataclass
+class DDTreeCPUAttentionMetadata(CPUAttentionMetadata):
+    tree: TreeAttentionInfo | None = None
+
+
+class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        tree = current_tree()
+        if tree is None or not tree.tree_reqs:
+            return metadata
+        values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
+        return DDTreeCPUAttentionMetadata(**values, tree=tree)
+
+
+class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        output = super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output,
+            output_scale, output_block_scale,
+        )
+        tree = getattr(attn_metadata, "tree", None)
+        if tree is None:
+            return output
+        self._check_tree_support(layer)
+        key_cache, value_cache = split_kv_cache(kv_cache)
+        reqs = torch.tensor(tree.tree_reqs, dtype=torch.int64)
+        rows = tree_rows(tree, reqs)  # [num_tree_rows]
+        counts = tree.num_rows[reqs]
+        qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+        qsl[1:] = counts.cumsum(0)
+        width = int(counts.max())
+        result = tree_attention_reference(
+            query[rows],
+            key_cache,
+            value_cache,
+            attn_metadata.block_table[reqs],
+            attn_metadata.seq_lens[reqs],
+            qsl,
+            tree.tree_mask[reqs, :width, :width],
+            self.scale,
+        )
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        out[rows] = result.to(out.dtype)
+        return output
+
+    def _check_tree_support(self, layer) -> None:
+        unsupported = {
+            "sliding window": self.sliding_window != -1,
+            "ALiBi": self.alibi_slopes is not None,
+            "logits soft cap": bool(self.logits_soft_cap),
+            "attention sinks": self.sinks is not None,
+            "quantized KV cache": self.is_fp8_kv_cache,
+        }
+        bad = [name for name, present in unsupported.items() if present]
+        if bad:
+            raise NotImplementedError(
+                f"DDTree tree attention on CPU does not support {', '.join(bad)}."
+            )
+        isa = getattr(layer, "isa", "vec")
+        if isa not in _PLAIN_ISAS:
+            raise NotImplementedError(
+                f"DDTree tree attention on CPU reads the KV cache of the "
+                f"{_PLAIN_ISAS} kernels; this layer uses {isa!r} (e.g. AMX for "
+                "bf16). Use dtype float32."
+            )
+
+
+def split_kv_cache(
+    kv_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, 2 * head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as strided ``[num_blocks, block_size, num_kv_heads, head_dim]`` views."""
+    num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
+    head_dim = two_d // 2
+    flat = kv_cache.view(num_blocks, num_kv_heads, 2, block_size * head_dim)
+    key_t = flat[:, :, 0].view(num_blocks, num_kv_heads, head_dim, block_size)
+    value = flat[:, :, 1].view(num_blocks, num_kv_heads, block_size, head_dim)
+    return key_t.permute(0, 3, 1, 2), value.permute(0, 2, 1, 3)
+
+
+def tree_rows(tree: TreeAttentionInfo, reqs: torch.Tensor) -> torch.Tensor:
+    """Flat query rows of the given requests' trees, in request order."""
+    starts, counts = tree.row_start[reqs], tree.num_rows[reqs]
+    offsets = torch.arange(int(counts.max()))
+    rows = starts[:, None] + offsets[None, :]
+    return rows[offsets[None, :] < counts[:, None]]

@@ -1,0 +1,156 @@
+"""The few vLLM symbols DDTree wraps, applied in order from one place.
+
+Each patch targets one symbol, keeps the original as ``_orig_*``, calls
+through to it, and does nothing extra unless the engine runs DDTree (the
+plugin is loaded by every vLLM process, DDTree or not).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_orig: dict[str, Any] = {}
+
+
+def apply_all() -> None:
+    """Apply every patch, in order. Idempotent."""
+    if _orig:
+        return
+    # 1. Accept {"method": "ddtree", "ddtree_budget": ..., ...} at config time.
+    _patch_create_speculative_config()
+    # 2. Reserve KV slots for the drafter's block, which may exceed the budget.
+    _patch_num_lookahead_tokens()
+    # 3-7. Model runner: proposer and sampler, tree inputs, tree attention
+    #      metadata, compaction after the walk, tree ownership after drafting.
+    _patch_model_runner()
+
+
+def apply_version_guard(message: str) -> None:
+    """On an unsupported vLLM, make a DDTree request fail with ``message``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "create_speculative_config" in _orig:
+        return
+    orig = _orig["create_speculative_config"] = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self, *args, **kwargs):
+        from vllm_ddtree.spec_config import is_ddtree_request
+
+        if is_ddtree_request(self.speculative_config):
+            raise RuntimeError(message)
+        return orig(self, *args, **kwargs)
+
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _patch_create_speculative_config() -> None:
+    from vllm.config import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ddtree.spec_config import is_ddtree_request, make_ddtree_speculative_config
+
+    orig = _orig["create_speculative_config"] = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config
+        if not is_ddtree_request(spec):
+            return orig(self, target_model_config, target_parallel_config)
+        if self.async_scheduling:
+            raise ValueError(
+                "DDTree does not support async scheduling yet; "
+                "remove --async-scheduling (it is turned off for DDTree by default)."
+            )
+        self.async_scheduling = False
+        # DDTree runs on vLLM's V1 model runner (the CPU backend always does).
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+        def build_dflash(dflash: dict[str, Any]) -> SpeculativeConfig:
+            return SpeculativeConfig(
+                **dflash,
+                target_model_config=target_model_config,
+                target_parallel_config=target_parallel_config,
+            )
+
+        return make_ddtree_speculative_config(spec, build_dflash)
+
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _patch_num_lookahead_tokens() -> None:
+    from vllm.config import VllmConfig
+
+    orig = _orig["num_lookahead_tokens"] = VllmConfig.num_lookahead_tokens
+
+    def num_lookahead_tokens(self) -> int:
+        ddtree = getattr(self.speculative_config, "ddtree", None)
+        if ddtree is None:
+            return orig.fget(self)
+        # Bonus query plus every drafter mask slot, or the budget if larger.
+        return max(ddtree.budget, ddtree.max_depth) + 1
+
+    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)
+
+
+def _patch_model_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_ddtree import runner as ddtree_runner
+    from vllm_ddtree.attention.state import publishing
+
+    cls = GPUModelRunner
+    orig_init = _orig["runner.__init__"] = cls.__init__
+    orig_prepare = _orig["runner._prepare_inputs"] = cls._prepare_inputs
+    orig_build = _orig["runner._build_attention_metadata"] = cls._build_attention_metadata
+    orig_sample_tokens = _orig["runner.sample_tokens"] = cls.sample_tokens
+    orig_sample = _orig["runner._sample"] = cls._sample
+    orig_propose = _orig["runner.propose_draft_token_ids"] = cls.propose_draft_token_ids
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        ddtree_runner.install(self)
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        result = orig_prepare(self, scheduler_output, *args, **kwargs)
+        if getattr(self, "ddtree_state", None) is not None:
+            ddtree_runner.begin_verify_step(self, result[1])
+        return result
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        state = getattr(self, "ddtree_state", None)
+        with publishing(state.attn_info if state is not None else None):
+            return orig_build(self, *args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        state = getattr(self, "ddtree_state", None)
+        if state is None:
+            return orig_sample_tokens(self, *args, **kwargs)
+        state.model_state = self.execute_model_state
+        state.tree_rows = {}  # this step's trees were consumed by _prepare_inputs
+        try:
+            return orig_sample_tokens(self, *args, **kwargs)
+        finally:
+            state.model_state = state.step = state.attn_info = None
+
+    def _sample(self, logits, spec_decode_metadata):
+        output = orig_sample(self, logits, spec_decode_metadata)
+        if getattr(self, "ddtree_state", None) is not None and spec_decode_metadata is not None:
+            ddtree_runner.compact_after_walk(self)
+        return output
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        draft_token_ids = orig_propose(self, *args, **kwargs)
+        if getattr(self, "ddtree_state", None) is not None:
+            ddtree_runner.record_drafted_trees(self)
+        return draft_token_ids
+
+    cls.__init__ = __init__
+    cls._prepare_inputs = _prepare_inputs
+    cls._build_attention_metadata = _build_attention_metadata
+    cls.sample_tokens = sample_tokens
+    cls._sample = _sample
+    cls.propose_draft_token_ids = propose_draft_token_ids

@@ -1,0 +1,76 @@
+"""DDTreeProposer: one DFlash drafter pass per step, then the optimal tree.
+
+The drafter runs exactly as vLLM's native DFlash (bonus token + block_size - 1
+mask tokens per request, context from the target's hidden states); only the
+last step differs: instead of taking the argmax of every mask slot as a chain,
+the per-depth log-probabilities feed :func:`~vllm_ddtree.tree.build_ddtree`,
+and the ``budget`` tree nodes become the draft tokens the target verifies.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.tree import DDTree, build_ddtree
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+
+class DDTreeProposer(DFlashProposer):
+    """DFlash drafting at the drafter's block size, tree output at the budget."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        ddtree = get_ddtree_config(vllm_config)
+        if ddtree is None:
+            raise ValueError("DDTreeProposer needs a DDTree speculative config.")
+        self.ddtree: DDTreeConfig = ddtree
+        # The drafter's buffers are sized by its own width, block_size, while
+        # vLLM's num_speculative_tokens is the verify budget.
+        super().__init__(_drafter_view(vllm_config, ddtree.max_depth), device, runner)
+        self.last_tree: DDTree | None = None
+        self._draft_logprobs: torch.Tensor | None = None
+
+    def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any):
+        if num_speculative_tokens == 0:
+            self.last_tree = None
+            return super().propose(0, *args, **kwargs)
+        next_token_ids = kwargs["next_token_ids"]
+        super().propose(self.ddtree.max_depth, *args, **kwargs)
+        logprobs = self._draft_logprobs
+        assert logprobs is not None, "the DFlash pass produced no logits"
+        self._draft_logprobs = None
+        num_reqs = next_token_ids.shape[0]
+        # [num_reqs, max_depth, vocab]: row d is log q_{d+1}.
+        logprobs = logprobs.view(num_reqs, self.ddtree.max_depth, -1)
+        tree = build_ddtree(
+            logprobs, next_token_ids, self.ddtree.budget, self.ddtree.topk_cap
+        )
+        self.last_tree = tree
+        # Draft tokens in node order: depth-major, parents before children.
+        return tree.tokens[:, 1:]
+
+    def _sample_draft_tokens(
+        self,
+        hidden_states: torch.Tensor,  # [num_reqs * max_depth, hidden]
+        sampling_metadata: SamplingMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.model.compute_logits(hidden_states)
+        vocab = self.ddtree.vocab_size
+        self._draft_logprobs = logits[:, :vocab].float().log_softmax(dim=-1)
+        return logits.argmax(dim=-1), None
+
+
+def _drafter_view(vllm_config: VllmConfig, depth: int) -> VllmConfig:
+    """A shallow copy of the config in which num_speculative_tokens = depth."""
+    spec = copy.copy(vllm_config.speculative_config)
+    object.__setattr__(spec, "num_speculative_tokens", depth)
+    view = copy.copy(vllm_config)
+    object.__setattr__(view, "speculative_config", spec)
+    return view

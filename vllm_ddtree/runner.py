@@ -1,0 +1,188 @@
+"""The model-runner side of a DDTree step.
+
+vLLM's V1 model runner drives the step; the plugin steps in at four points
+(see :mod:`vllm_ddtree.patches`):
+
+1. after ``_prepare_inputs``: look up each request's tree, give verify rows
+   their depth positions (``start + depth``; KV slots stay ``start + i``) and
+   publish the ancestor masks to the attention metadata builders;
+2. the sampler: :class:`~vllm_ddtree.sampler.DDTreeSampler` walks the trees;
+3. after sampling: compaction, so the accepted path looks like a chain whose
+   first k drafts were accepted (KV rows, hidden states, positions, tokens);
+4. after drafting: remember which request owns which freshly built tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_ddtree.attention.state import TreeAttentionInfo
+from vllm_ddtree.compaction import plan_compaction, plan_slots
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, chain_trees, select_trees
+from vllm_ddtree.tree import DDTree
+
+if TYPE_CHECKING:
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class DDTreeRunnerState:
+    """Per-runner DDTree state, kept on the runner as ``runner.ddtree_state``."""
+
+    ddtree: DDTreeConfig
+    step: TreeVerifyStep | None = None
+    attn_info: TreeAttentionInfo | None = None
+    # req_id -> row of the drafter's last tree, set after each drafting pass.
+    tree_rows: dict[str, int] = field(default_factory=dict)
+    # Tensors of the step being sampled (hidden states, aux states, slots).
+    model_state: Any = None
+
+
+def install(runner: GPUModelRunner) -> None:
+    """Turn a freshly built model runner into a DDTree runner (no-op otherwise)."""
+    ddtree = get_ddtree_config(runner.vllm_config)
+    if ddtree is None:
+        return
+    if runner.uses_mrope:
+        raise NotImplementedError("DDTree does not support M-RoPE target models yet.")
+    from vllm_ddtree.attention import register_backends
+    from vllm_ddtree.proposer import DDTreeProposer
+
+    register_backends(runner.device)
+    state = DDTreeRunnerState(ddtree=ddtree)
+    runner.ddtree_state = state
+    runner.drafter = DDTreeProposer(runner.vllm_config, runner.device, runner)
+    runner.rejection_sampler = DDTreeSampler(runner.sampler, lambda: state.step)
+    logger.info(
+        "DDTree runner: verify width %d, drafter width %d.",
+        ddtree.verify_width,
+        ddtree.drafter_width,
+    )
+
+
+def begin_verify_step(
+    runner: GPUModelRunner, spec_decode_metadata: SpecDecodeMetadata | None
+) -> None:
+    """Attach this step's trees to the batch and set depth positions."""
+    state: DDTreeRunnerState = runner.ddtree_state
+    state.step = state.attn_info = None
+    if spec_decode_metadata is None:
+        return
+    num_reqs = runner.input_batch.num_reqs
+    device = runner.positions.device
+    num_draft = torch.tensor(spec_decode_metadata.num_draft_tokens, dtype=torch.int64)
+    width = int(num_draft.max()) + 1
+    query_end = runner.query_start_loc.gpu[1 : num_reqs + 1].to(torch.int64)
+    num_scheduled = num_draft.to(device)
+    row_start = query_end - num_scheduled - 1
+
+    # Trees come from the drafter; any request without one (or whose drafts
+    # were changed on the way) is verified as the chain it was sent as.
+    chains = chain_trees(spec_decode_metadata, num_scheduled, width)
+    tree = chains
+    drafted: DDTree | None = getattr(runner.drafter, "last_tree", None)
+    if drafted is not None and state.tree_rows:
+        index = [state.tree_rows.get(rid, -1) for rid in runner.input_batch.req_ids]
+        tree = select_trees(drafted, index, chains, num_scheduled)
+
+    # Siblings share a position: node i of a request sits at start + depth_i.
+    offsets = torch.arange(width, device=device)
+    rows = row_start[:, None] + offsets[None, :]
+    present = offsets[None, :] <= num_scheduled[:, None]
+    root_pos = runner.positions[row_start]
+    depth_pos = root_pos[:, None] + tree.depths
+    runner.positions[rows[present]] = depth_pos[present]
+
+    state.step = TreeVerifyStep(
+        tree=tree,
+        num_scheduled=num_scheduled,
+        row_start=row_start,
+        max_depth=state.ddtree.max_depth,
+    )
+    has_tree = num_draft > 0
+    state.attn_info = TreeAttentionInfo(
+        tree_mask=tree.ancestor_mask,
+        row_start=row_start.cpu(),
+        num_rows=torch.where(has_tree, num_draft + 1, 0),
+        tree_reqs=torch.nonzero(has_tree).flatten().tolist(),
+    )
+
+
+def compact_after_walk(runner: GPUModelRunner) -> None:
+    """Make the accepted path look like a chain step with k accepted drafts."""
+    state: DDTreeRunnerState = runner.ddtree_state
+    step, model_state = state.step, state.model_state
+    if step is None or step.walk is None or model_state is None:
+        return
+    starts = torch.cat([step.row_start, step.row_start[-1:] + 1])
+    plan = plan_compaction(step.walk, starts)
+    src_rows, dst_rows = plan.hidden_rows.flatten(), plan.dst_rows.flatten()
+
+    # 1. KV of every target attention layer: node slots -> chain slots.
+    for layer_name, kv_cache, backend in _target_kv_layers(runner):
+        slot_mapping = _layer_slot_mapping(model_state.slot_mappings, layer_name)
+        if slot_mapping is None:
+            continue
+        src_slots, dst_slots = plan_slots(slot_mapping, plan)
+        backend.move_kv_slots(kv_cache, src_slots, dst_slots)
+
+    # 2. Rows the drafter reads as context: hidden states and token ids.
+    tensors = [model_state.hidden_states, runner.input_ids.gpu]
+    tensors += list(model_state.aux_hidden_states or [])
+    for t in tensors:
+        t.index_copy_(0, dst_rows, t.index_select(0, src_rows))
+
+    # 3. Positions back to chain order: row start + i sits at root + i.
+    width = step.tree.tokens.shape[1]
+    offsets = torch.arange(width, device=step.row_start.device)
+    rows = step.row_start[:, None] + offsets[None, :]
+    present = offsets[None, :] <= step.num_scheduled[:, None]
+    root_pos = runner.positions[step.row_start]
+    runner.positions[rows[present]] = (root_pos[:, None] + offsets[None, :])[present]
+
+
+def record_drafted_trees(runner: GPUModelRunner) -> None:
+    """After drafting: the drafter's trees are in input-batch order."""
+    state: DDTreeRunnerState = runner.ddtree_state
+    if getattr(runner.drafter, "last_tree", None) is None:
+        state.tree_rows = {}
+        return
+    state.tree_rows = {rid: i for i, rid in enumerate(runner.input_batch.req_ids)}
+
+
+def _target_kv_layers(runner: GPUModelRunner):
+    """(name, kv_cache, backend) of every target attention layer."""
+    draft_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+    context = runner.compilation_config.static_forward_context
+    for group in runner.kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            if name in draft_layers or name not in context:
+                continue
+            layer = context[name]
+            kv_cache = layer.kv_cache
+            if isinstance(kv_cache, (list, tuple)):
+                kv_cache = kv_cache[0]
+            backend = getattr(layer, "attn_backend", None)
+            if not hasattr(backend, "move_kv_slots"):
+                raise NotImplementedError(
+                    f"DDTree cannot compact the KV cache of layer {name}: its "
+                    f"attention backend {getattr(backend, '__name__', backend)} "
+                    "is not a DDTree backend."
+                )
+            yield name, kv_cache, backend
+
+
+def _layer_slot_mapping(slot_mappings: Any, layer_name: str) -> torch.Tensor | None:
+    if isinstance(slot_mappings, dict):
+        return slot_mappings.get(layer_name)
+    if isinstance(slot_mappings, (list, tuple)) and slot_mappings:
+        return slot_mappings[0].get(layer_name)
+    return None

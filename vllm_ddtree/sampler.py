@@ -1,0 +1,354 @@
+"""Tree sampling: the DDTree replacement for vLLM's chain rejection sampler.
+
+For every node of every request's tree the target's token is drawn from the
+target distribution at that node (argmax when greedy, a sample after vLLM's
+processing when T > 0); the walk then follows matching children from the root.
+Each committed token is a target sample at the correct prefix, so the output
+has the target distribution at any temperature ("sample and match").
+
+The result is in vLLM's chain format ``[num_reqs, max_spec_len + 1]``:
+accepted tokens, the bonus token, then -1, so the scheduler, detokenizer,
+stop handling and metrics need no tree knowledge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from vllm.logger import init_logger
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+from vllm.v1.sample.ops.penalties import apply_all_penalties
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+from vllm_ddtree.tree import DDTree
+from vllm_ddtree.verify import WalkResult, walk_tree
+
+if TYPE_CHECKING:
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+logger = init_logger(__name__)
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass
+class TreeVerifyStep:
+    """The trees verified in one target step, aligned with the batch rows."""
+
+    tree: DDTree  # [num_reqs, budget + 1] per field; nodes past num_scheduled invalid
+    num_scheduled: torch.Tensor  # [num_reqs] int64, tree nodes sent to the target
+    row_start: torch.Tensor  # [num_reqs] int64, flat token row of each root
+    max_depth: int  # drafter block_size - 1
+    walk: WalkResult | None = None  # filled in by the sampler
+
+
+class DDTreeSampler(nn.Module):
+    """Drop-in for ``RejectionSampler`` when the drafts form a tree."""
+
+    def __init__(self, sampler: Sampler, get_step) -> None:
+        super().__init__()
+        self.sampler = sampler
+        # Returns the TreeVerifyStep of the step being sampled.
+        self._get_step = get_step
+
+    def forward(
+        self,
+        metadata: SpecDecodeMetadata,
+        draft_probs: torch.Tensor | None,  # unused: trees are verified by matching
+        logits: torch.Tensor,  # [num_reqs + num_draft_tokens, vocab]
+        sampling_metadata: SamplingMetadata,
+    ) -> SamplerOutput:
+        step: TreeVerifyStep | None = self._get_step()
+        width = metadata.max_spec_len + 1
+        if step is None:  # e.g. vLLM's dummy sampler run: verify as chains
+            step = chain_step(metadata, logits.device)
+        num_reqs = step.num_scheduled.shape[0]
+        # Flat logits row of node i of request r (clamped for absent nodes).
+        rows = step_rows(metadata.cu_num_sampled_tokens, step.num_scheduled, width)
+        processed = process_logits(logits, rows, step, sampling_metadata)
+        node_tokens = sample_node_tokens(processed, rows, sampling_metadata)
+        tree = narrow_tree(step.tree, width, step.num_scheduled)
+        walk = walk_tree(tree, node_tokens, step.max_depth)
+        step.walk = walk
+        output = walk.output_tokens[:, :width].to(torch.int32)
+
+        logprobs_tensors = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs_tensors = self._logprobs(
+                sampling_metadata.max_num_logprobs,
+                logits,
+                processed,
+                rows,
+                walk,
+                output,
+            )
+        assert output.shape == (num_reqs, width)
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs_tensors)
+
+    def _logprobs(
+        self,
+        max_num_logprobs: int,
+        logits: torch.Tensor,
+        processed: torch.Tensor,
+        rows: torch.Tensor,
+        walk: WalkResult,
+        output: torch.Tensor,
+    ) -> LogprobsTensors:
+        # Output token j was drawn at the j-th node of the accepted path.
+        width = output.shape[1]
+        path = walk.accepted_nodes[:, :width].clamp(min=0)
+        if path.shape[1] < width:
+            pad = path[:, -1:].expand(-1, width - path.shape[1])
+            path = torch.cat([path, pad], dim=1)
+        flat_rows = torch.gather(rows, 1, path).flatten()
+        mode = self.sampler.logprobs_mode
+        source = processed if mode.startswith("processed") else logits.float()
+        chosen = source[flat_rows]
+        if not mode.endswith("logits"):
+            chosen = self.sampler.compute_logprobs(chosen)
+        tokens = output.flatten().to(torch.int64).clamp(min=0)
+        return self.sampler.gather_logprobs(chosen, max_num_logprobs, tokens)
+
+
+def chain_step(metadata: SpecDecodeMetadata, device: torch.device) -> TreeVerifyStep:
+    """A verify step in which every request's drafts form a plain chain."""
+    num_scheduled = torch.tensor(metadata.num_draft_tokens, device=device)
+    width = metadata.max_spec_len + 1
+    cu_sampled = metadata.cu_num_sampled_tokens.to(torch.int64)
+    return TreeVerifyStep(
+        tree=chain_trees(metadata, num_scheduled, width),
+        num_scheduled=num_scheduled,
+        row_start=cu_sampled - num_scheduled - 1,
+        max_depth=max(width - 1, 1),
+    )
+
+
+def chain_trees(
+    metadata: SpecDecodeMetadata,
+    num_scheduled: torch.Tensor,  # [num_reqs] int64
+    width: int,
+) -> DDTree:
+    """Each request's scheduled drafts as a chain: node i's parent is i - 1."""
+    device = num_scheduled.device
+    num_reqs = num_scheduled.shape[0]
+    node = torch.arange(width, device=device)
+    present = node[None, :] <= num_scheduled[:, None]  # [num_reqs, width]
+    drafts = metadata.draft_token_ids.to(torch.int64)
+    tokens = torch.zeros(num_reqs, width, dtype=torch.int64, device=device)
+    if drafts.numel() > 0:
+        first = metadata.cu_num_draft_tokens.to(torch.int64) - num_scheduled
+        index = (first[:, None] + node[None, :] - 1).clamp(0, drafts.numel() - 1)
+        tokens = torch.where(present & (node[None, :] > 0), drafts[index], 0)
+    parents = (node - 1).clamp(min=0).expand(num_reqs, width)
+    depths = torch.where(present, node[None, :], 0)
+    causal = node[None, :] <= node[:, None]  # [width, width]: j <= i
+    eye = torch.eye(width, dtype=torch.bool, device=device)
+    mask = torch.where(present[:, :, None], causal & present[:, None, :], eye)
+    return DDTree(
+        tokens=tokens,
+        parents=parents.contiguous(),
+        depths=depths,
+        valid=present,
+        ancestor_mask=mask,
+        num_nodes=num_scheduled.clone(),
+    )
+
+
+def select_trees(
+    drafted: DDTree,  # [num_prev_reqs, budget + 1] per field
+    index: list[int],  # row of each current request in `drafted`, -1 if none
+    chains: DDTree,  # [num_reqs, width] the scheduled drafts as chains
+    num_scheduled: torch.Tensor,  # [num_reqs]
+) -> DDTree:
+    """Each request's drafted tree where its scheduled drafts match it, else its chain.
+
+    The scheduler may send a prefix of the node list (still a tree, since
+    parents precede children); a request whose drafts differ from its tree in
+    any other way is verified as the chain it was sent as.
+    """
+    device = chains.tokens.device
+    width = chains.tokens.shape[1]
+    rows = torch.tensor(index, dtype=torch.int64, device=device)
+    known = rows >= 0
+    picked = _take(drafted, rows.clamp(min=0), width)
+    node = torch.arange(width, device=device)
+    present = node[None, :] <= num_scheduled[:, None]
+    same = ((picked.tokens == chains.tokens) | ~present | (node[None, :] == 0)).all(1)
+    use = known & same
+    valid = picked.valid & present
+
+    def pick(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.where(use.view(-1, *([1] * (a.dim() - 1))), a, b)
+
+    mask = picked.ancestor_mask & valid[:, None, :]
+    return DDTree(
+        tokens=pick(picked.tokens, chains.tokens),
+        parents=pick(picked.parents, chains.parents),
+        depths=pick(picked.depths, chains.depths),
+        valid=pick(valid, chains.valid),
+        ancestor_mask=pick(mask, chains.ancestor_mask),
+        num_nodes=pick(valid[:, 1:].sum(1), chains.num_nodes),
+    )
+
+
+def _take(tree: DDTree, rows: torch.Tensor, width: int) -> DDTree:
+    """Rows of a tree batch, cut (or padded with invalid nodes) to ``width``."""
+    budget1 = tree.tokens.shape[1]
+    if width > budget1:
+        raise ValueError(
+            f"{width - 1} drafts were scheduled but trees have budget {budget1 - 1}."
+        )
+    return DDTree(
+        tokens=tree.tokens[rows, :width],
+        parents=tree.parents[rows, :width],
+        depths=tree.depths[rows, :width],
+        valid=tree.valid[rows, :width],
+        ancestor_mask=tree.ancestor_mask[rows, :width, :width],
+        num_nodes=tree.num_nodes[rows],
+    )
+
+
+def step_rows(
+    cu_num_sampled: torch.Tensor,  # [num_reqs] cumulative rows per request
+    num_scheduled: torch.Tensor,  # [num_reqs]
+    width: int,
+) -> torch.Tensor:
+    """Flat logits row of node i of request r, ``[num_reqs, width]``.
+
+    Rows of absent nodes (i > num_scheduled[r]) repeat the request's last row.
+    """
+    first = cu_num_sampled.to(torch.int64) - num_scheduled - 1
+    offsets = torch.arange(width, device=first.device)
+    return first[:, None] + torch.minimum(offsets[None, :], num_scheduled[:, None])
+
+
+def narrow_tree(tree: DDTree, width: int, num_scheduled: torch.Tensor) -> DDTree:
+    """The first ``width`` nodes of each tree, nodes past the scheduled count cut.
+
+    Trees are stored depth-major with parents first, so any prefix of the
+    node list is itself a tree (the scheduler may send fewer nodes).
+    """
+    index = torch.arange(width, device=tree.tokens.device)
+    valid = tree.valid[:, :width] & (index[None, :] <= num_scheduled[:, None])
+    mask = tree.ancestor_mask[:, :width, :width] & valid[:, None, :]
+    return DDTree(
+        tokens=tree.tokens[:, :width],
+        parents=tree.parents[:, :width],
+        depths=tree.depths[:, :width],
+        valid=valid,
+        ancestor_mask=mask,
+        num_nodes=valid[:, 1:].sum(dim=1),
+    )
+
+
+def process_logits(
+    logits: torch.Tensor,  # [num_rows, vocab]
+    rows: torch.Tensor,  # [num_reqs, width]
+    step: TreeVerifyStep,
+    sampling_metadata: SamplingMetadata,
+) -> torch.Tensor:
+    """vLLM's logits processing at every tree node, in float32.
+
+    Per-request processors (logit bias, min tokens, min-p, custom ones) act on
+    one ``[num_reqs, vocab]`` slice per node column; penalties see each node's
+    own ancestors as already generated.
+    """
+    num_reqs, width = rows.shape
+    out = logits.float().clone()
+    req_of_row = _request_of_row(rows, out.shape[0])
+    if sampling_metadata.allowed_token_ids_mask is not None:
+        mask = sampling_metadata.allowed_token_ids_mask[:num_reqs][req_of_row]
+        out.masked_fill_(mask, float("-inf"))
+    if not sampling_metadata.no_penalties:
+        out = _apply_tree_penalties(out, rows, req_of_row, step, sampling_metadata)
+    procs = list(sampling_metadata.logitsprocs.non_argmax_invariant)
+    if not sampling_metadata.all_greedy:
+        procs += list(sampling_metadata.logitsprocs.argmax_invariant)
+    if procs:
+        for col in range(width):
+            col_rows = rows[:, col]
+            block = out[col_rows]
+            for proc in procs:
+                block = proc.apply(block)
+            out[col_rows] = block
+    return out
+
+
+def sample_node_tokens(
+    processed: torch.Tensor,  # [num_rows, vocab] float32
+    rows: torch.Tensor,  # [num_reqs, width]
+    sampling_metadata: SamplingMetadata,
+) -> torch.Tensor:
+    """The target's token at every node, ``[num_reqs, width]``."""
+    greedy = processed.argmax(dim=-1)
+    if sampling_metadata.all_greedy:
+        return greedy[rows]
+    num_reqs = rows.shape[0]
+    req_of_row = _request_of_row(rows, processed.shape[0])
+    temperature = sampling_metadata.temperature[:num_reqs].float()
+    is_greedy = temperature <= 0
+    scaled = processed / torch.where(is_greedy, 1.0, temperature)[req_of_row, None]
+    top_k = sampling_metadata.top_k
+    top_p = sampling_metadata.top_p
+    scaled = apply_top_k_top_p(
+        scaled,
+        None if top_k is None else top_k[:num_reqs][req_of_row],
+        None if top_p is None else top_p[:num_reqs][req_of_row],
+    )
+    probs = scaled.softmax(dim=-1, dtype=torch.float32)
+    # Exponential race: argmax p / E with E ~ Exp(1) is a sample from p.
+    noise = torch.empty_like(probs).exponential_()
+    for req, generator in sampling_metadata.generators.items():
+        if req < num_reqs:
+            rows_r = torch.unique(rows[req])
+            noise[rows_r] = torch.empty(
+                (rows_r.numel(), probs.shape[1]), device=probs.device
+            ).exponential_(generator=generator)
+    sampled = probs.div(noise).argmax(dim=-1)
+    tokens = torch.where(is_greedy[req_of_row], greedy, sampled)
+    return tokens[rows]
+
+
+def _request_of_row(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Request index of every flat row, ``[num_rows]``."""
+    owner = torch.zeros(num_rows, dtype=torch.int64, device=rows.device)
+    req = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
+    owner[rows.flatten()] = req.flatten()
+    return owner
+
+
+def _apply_tree_penalties(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    req_of_row: torch.Tensor,
+    step: TreeVerifyStep,
+    sampling_metadata: SamplingMetadata,
+) -> torch.Tensor:
+    """Penalties at each node count that node's ancestors as generated."""
+    num_reqs, width = rows.shape
+    tokens = step.tree.tokens[:, :width].tolist()
+    parents = step.tree.parents[:, :width].tolist()
+    num_rows = logits.shape[0]
+    histories: list[list[int]] = [[] for _ in range(num_rows)]
+    flat_rows = rows.tolist()
+    for r in range(num_reqs):
+        base = sampling_metadata.output_token_ids[r]
+        paths: list[list[int]] = [[]]
+        for i in range(1, width):
+            paths.append(paths[parents[r][i]] + [tokens[r][i]])
+        for i in range(width):
+            histories[flat_rows[r][i]] = base + paths[i]
+    prompt = sampling_metadata.prompt_token_ids[req_of_row]
+    return apply_all_penalties(
+        logits,
+        prompt,
+        sampling_metadata.presence_penalties[req_of_row],
+        sampling_metadata.frequency_penalties[req_of_row],
+        sampling_metadata.repetition_penalties[req_of_row],
+        histories,
+    )

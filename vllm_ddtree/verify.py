@@ -1,0 +1,88 @@
+"""DDTree verification: the sample-and-match walk down a verified tree.
+
+From the root, take the target's token at the current node (argmax when greedy, a sample
+when T > 0); if a valid child carries that token, move to it and repeat; otherwise that
+token is the bonus. Every committed token is a target token at its true prefix, so the walk
+is lossless at any temperature. Siblings carry distinct tokens, so at most one child
+matches.
+
+Batched over requests with masks (a loop over depth only), so walk_tree can be captured in
+a CUDA graph at fixed (num_reqs, budget, max_depth).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.tree import DDTree
+
+
+@dataclass
+class WalkResult:
+    accepted_nodes: torch.Tensor  # [num_reqs, max_depth + 1] int64; node at each depth, col 0 = 0, -1 past num_accepted
+    num_accepted: torch.Tensor  # [num_reqs] int64; accepted drafts (bonus excluded), 0..min(budget, max_depth)
+    bonus_tokens: torch.Tensor  # [num_reqs] int64; target token at the last accepted node
+    output_tokens: torch.Tensor  # [num_reqs, budget + 1] int64; chain format: accepted, bonus, -1 ...
+
+
+def walk_tree(
+    tree: DDTree,
+    target_tokens: torch.Tensor,  # [num_reqs, budget + 1]; target token at every node
+    max_depth: int,
+) -> WalkResult:
+    """Follow the target's tokens down the tree; emit the accepted path in chain format."""
+    num_reqs, n = tree.tokens.shape
+    if target_tokens.shape != (num_reqs, n):
+        raise ValueError(
+            f"target_tokens must be [num_reqs, budget + 1] = {(num_reqs, n)}, "
+            f"got {tuple(target_tokens.shape)}"
+        )
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
+        raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
+    target = target_tokens.to(torch.int64)
+    device = tree.tokens.device
+    # Column 0 (the root) is its own parent; it is never anyone's child.
+    candidate = tree.valid & (torch.arange(n, device=device) >= 1)
+
+    current = torch.zeros(num_reqs, 1, dtype=torch.int64, device=device)
+    alive = torch.ones(num_reqs, 1, dtype=torch.bool, device=device)
+    path = [current]
+    for _ in range(max_depth):
+        want = target.gather(1, current)  # target token at the current node
+        match = candidate & (tree.parents == current) & (tree.tokens == want)  # <= 1 per row
+        alive = alive & match.any(dim=1, keepdim=True)
+        child = match.to(torch.int8).argmax(dim=1, keepdim=True)  # the matching child
+        current = torch.where(alive, child, current)
+        path.append(torch.where(alive, child, -1))
+
+    accepted_nodes = torch.cat(path, dim=1)  # [num_reqs, max_depth + 1]
+    num_accepted = (accepted_nodes[:, 1:] >= 0).sum(dim=1)
+    bonus = target.gather(1, current).squeeze(1)
+    return WalkResult(
+        accepted_nodes=accepted_nodes,
+        num_accepted=num_accepted,
+        bonus_tokens=bonus,
+        output_tokens=chain_output(tree.tokens, accepted_nodes, num_accepted, bonus),
+    )
+
+
+def chain_output(
+    tree_tokens: torch.Tensor,  # [num_reqs, budget + 1]
+    accepted_nodes: torch.Tensor,  # [num_reqs, max_depth + 1], -1 padded
+    num_accepted: torch.Tensor,  # [num_reqs]
+    bonus: torch.Tensor,  # [num_reqs]
+) -> torch.Tensor:
+    """[num_reqs, budget + 1]: out[:, j] = token of path node j+1 for j < k, bonus at j = k,
+    -1 after (the rejection sampler's output format)."""
+    num_reqs, n = tree_tokens.shape
+    width = min(accepted_nodes.shape[1], n)  # k <= min(budget, max_depth), so k < width
+    drafted = tree_tokens.gather(1, accepted_nodes[:, 1:width].clamp(min=0))  # path tokens
+    drafted = torch.cat([drafted, bonus[:, None]], dim=1)  # width columns; last never used
+    col = torch.arange(width, device=tree_tokens.device)
+    k = num_accepted[:, None]
+    chain = torch.where(col < k, drafted, torch.where(col == k, bonus[:, None], -1))
+    out = torch.full((num_reqs, n), -1, dtype=torch.int64, device=tree_tokens.device)
+    out[:, :width] = chain
+    return out
