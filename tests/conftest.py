@@ -38,7 +38,7 @@ def tiny_qwen3(tiny_models_dir: Path) -> Path:
 def tiny_llama_repetitive(tiny_models_dir: Path) -> Path:
     """Llama target whose greedy output comes in long runs of one token, so a
     ``mode="repeat"`` drafter gets most drafts accepted (and some rejected)."""
-    return tm.make_target(tiny_models_dir / "llama_repetitive", "llama", embed_std=3.0)
+    return tm.make_target(tiny_models_dir / "llama_repetitive", "llama", **tm.REPETITIVE)
 
 
 @pytest.fixture(scope="session")

@@ -130,3 +130,39 @@ def test_repeat_drafter_needs_tied_target(tmp_path: Path) -> None:
     target = tm.make_target(tmp_path / "t", "llama", tie_word_embeddings=False)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         tm.make_dflash_drafter(tmp_path / "d", target, mode="repeat")
+
+
+@pytest.mark.slow
+def test_native_dflash_matches_greedy_and_accepts(
+    tiny_llama_repetitive: Path, make_drafter
+) -> None:
+    """The fixtures work in vLLM's own DFlash: a block-8 drafter runs with
+    num_speculative_tokens=7, output equals non-speculative greedy, and the repeat
+    drafter is mostly accepted on the repetitive target."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    drafter = make_drafter(tiny_llama_repetitive, 8, "repeat")
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = ["Beautiful is better than ugly.", "a a a a a a", "def f(x): return"]
+    outputs, metrics = [], {}
+    for spec in (None, {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7}):
+        llm = LLM(
+            model=str(tiny_llama_repetitive),
+            speculative_config=spec,
+            dtype="float32",
+            enforce_eager=True,
+            gpu_memory_utilization=0.1,
+            max_model_len=512,
+            disable_log_stats=False,
+        )
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outputs.append([list(o.outputs[0].token_ids) for o in outs])
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        del llm
+        gc.collect()
+    assert outputs[0] == outputs[1]
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted / drafted > 0.5, (accepted, drafted)

@@ -34,6 +34,7 @@ class DDTreeProposer(DFlashProposer):
         # The drafter's buffers are sized by its own width, block_size, while
         # vLLM's num_speculative_tokens is the verify budget.
         super().__init__(_drafter_view(vllm_config, ddtree.max_depth), device, runner)
+        self.runner = runner
         self.last_tree: DDTree | None = None
         self._draft_logprobs: torch.Tensor | None = None
 

@@ -1,0 +1,301 @@
+"""Tree attention (Triton) against dense causal attention with the same queries.
+
+For every (context, batch, budget): each request has a prefix of `context` tokens and
+budget + 1 verify queries (Qwen3-8B heads: 32 query / 8 KV heads, head_dim 128, bf16,
+paged KV with 16-token pages). Timed, as CUDA-graph replays (median):
+- tree:  vllm_ddtree.attention.triton_tree.tree_attention_triton, random DDTree-like
+         trees (depth <= 15), packed masks;
+- fa3:   FlashAttention 3 from vLLM's wheel (`_vllm_fa3_C`), causal, same paged cache
+         (only when --fa3-so points at the extension);
+- sdpa:  torch SDPA, flash backend, contiguous K/V, non-causal (torch's flash causal
+         mask is top-left aligned, which would skip the prefix); GQA via enable_gqa.
+Prints a table and writes JSON (--out).
+
+    python benchmarks/bench_tree_attention.py --fa3-so build/fa3/_vllm_fa3_C.abi3.so.xz
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import lzma
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_ddtree.attention.reference import pack_tree_mask  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=ints, default=[1024, 4096, 16384, 32768])
+    p.add_argument("--batches", type=ints, default=[1, 8, 32, 64])
+    p.add_argument("--budgets", type=ints, default=[16, 64, 256])
+    p.add_argument("--heads", type=ints, default=[32, 8], help="query,kv heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-depth", type=int, default=15)
+    p.add_argument("--fa3-so", default=None, help="_vllm_fa3_C.abi3.so (or .xz)")
+    p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="also try other tile configs")
+    p.add_argument("--rep-ms", type=int, default=30)
+    p.add_argument("--out", default="benchmarks/results/tree_attention_h200.json")
+    return p.parse_args(argv)
+
+
+def load_fa3(path: str | None):
+    """Load vLLM's FA3 extension alone (no vllm import); returns torch.ops namespace."""
+    if not path:
+        return None
+    if path.endswith(".xz"):
+        target = "/tmp/fa3/_vllm_fa3_C.abi3.so"
+        if not os.path.exists(target):
+            os.makedirs("/tmp/fa3", exist_ok=True)
+            with lzma.open(path) as src, open(target, "wb") as dst:
+                dst.write(src.read())
+        path = target
+    spec = importlib.util.spec_from_file_location("_vllm_fa3_C", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return torch.ops._vllm_fa3_C
+
+
+def fa3_call(ops, q, k_cache, v_cache, out, cu_q, seq_lens, block_table, max_q, max_k, scale):
+    """flash_attn_varlen_func(fa_version=3, causal=True) with a paged cache."""
+    return ops.fwd(
+        q, k_cache, v_cache, None, None, None, out, cu_q, None, None, None, seq_lens,
+        max_q, max_k, block_table, None, None, None, None, None, None, None, None,
+        scale, True, -1, -1, 0.0, True, None, 0, None, 0, None, 1, 0, None,
+    )
+
+
+def random_tree_mask(n: int, max_depth: int, seed: int) -> torch.Tensor:  # [n, n] bool
+    rng = random.Random(seed)
+    parents, depths = [-1], [0]
+    for node in range(1, n):
+        parent = rng.choice([j for j in range(max(0, node - 64), node) if depths[j] < max_depth] or [0])
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for node in range(n):
+        j = node
+        while j >= 0:
+            mask[node, j] = True
+            j = parents[j]
+    return mask
+
+
+def bench(fn, rep_ms: int) -> float:
+    """Median ms of CUDA-graph replays (falls back to plain launches)."""
+    import triton.testing as tt
+
+    try:
+        return tt.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+    except Exception as exc:  # noqa: BLE001
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc}; timing eagerly)")
+        return tt.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+
+
+class Case:
+    """Paged cache for `batch` requests of up to `context + max_n` tokens."""
+
+    def __init__(self, context: int, batch: int, max_n: int, args, dtype=torch.bfloat16):
+        num_heads, num_kv_heads = args.heads
+        page = args.page_size
+        dev = "cuda"
+        self.context, self.batch, self.args = context, batch, args
+        pages = -(-(context + max_n) // page)
+        num_blocks = batch * pages
+        self.key_cache = torch.randn(num_blocks, page, num_kv_heads, args.head_dim, device=dev, dtype=dtype)
+        self.value_cache = torch.randn_like(self.key_cache)
+        perm = torch.randperm(num_blocks, device=dev, dtype=torch.int32)
+        self.block_table = perm.view(batch, pages)
+        self.scale = args.head_dim**-0.5
+
+    def inputs(self, n: int, seed: int):
+        num_heads, _ = self.args.heads
+        batch, dev = self.batch, "cuda"
+        seq = self.context + n
+        q = torch.randn(batch * n, num_heads, self.args.head_dim, device=dev, dtype=self.key_cache.dtype)
+        seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=dev)
+        cu_q = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev)
+        mask = random_tree_mask(n, self.args.max_depth, seed).to(dev)
+        packed = pack_tree_mask(mask[None].expand(batch, n, n).contiguous())
+        return q, seq_lens, cu_q, packed
+
+
+def dense_kv(case: Case, seq: int):
+    """Contiguous [batch, kv_heads, seq, head_dim] K/V gathered from the paged cache."""
+    page = case.args.page_size
+    pos = torch.arange(seq, device="cuda")
+    blocks = case.block_table[:, pos // page].long()  # [batch, seq]
+    k = case.key_cache[blocks, pos % page].transpose(1, 2).contiguous()
+    v = case.value_cache[blocks, pos % page].transpose(1, 2).contiguous()
+    return k, v
+
+
+def run_case(case: Case, budget: int, fa3, args, results: list[dict]) -> None:
+    from vllm_ddtree.attention.triton_tree import (
+        choose_num_splits,
+        pick_tile_config,
+        tree_attention_triton,
+    )
+
+    n = budget + 1
+    seq = case.context + n
+    num_heads, num_kv_heads = args.heads
+    q, seq_lens, cu_q, packed = case.inputs(n, seed=budget)
+    out = torch.empty_like(q)
+
+    def tree():
+        tree_attention_triton(
+            q, case.key_cache, case.value_cache, case.block_table, seq_lens, cu_q,
+            packed, case.scale, max_query_len=n, max_seq_len=seq, out=out,
+        )
+
+    row = dict(context=case.context, batch=case.batch, budget=budget, queries=n)
+    row["tree_ms"] = bench(tree, args.rep_ms)
+    cfg = pick_tile_config(args.head_dim, num_heads // num_kv_heads, q.dtype, n)
+    tiles = -(-n // (cfg.block_m // (num_heads // num_kv_heads)))
+    row["splits"] = choose_num_splits(case.batch * num_kv_heads * tiles, seq, torch.cuda.get_device_properties(0).multi_processor_count)
+    # Useful work: QK^T and PV over prefix + causal half of the tree, for every head.
+    flops = 4 * case.batch * n * num_heads * args.head_dim * (case.context + (n + 1) / 2)
+    kv_bytes = 2 * case.batch * seq * num_kv_heads * args.head_dim * q.element_size()
+    row["tree_tflops"] = flops / row["tree_ms"] / 1e9
+    row["tree_tbps"] = kv_bytes / row["tree_ms"] / 1e9
+    if fa3 is not None:
+        fa_out = torch.empty_like(q)
+
+        def dense_fa3():
+            fa3_call(fa3, q, case.key_cache, case.value_cache, fa_out, cu_q, seq_lens,
+                     case.block_table, n, seq, case.scale)
+
+        row["fa3_ms"] = bench(dense_fa3, args.rep_ms)
+        row["tree_over_fa3"] = row["tree_ms"] / row["fa3_ms"]
+    if not args.no_sdpa:
+        k, v = dense_kv(case, seq)
+        qd = q.view(case.batch, n, num_heads, -1).transpose(1, 2)
+        row["sdpa_ms"], row["sdpa_backend"] = time_sdpa(qd, k, v, case.scale, args.rep_ms)
+        if row["sdpa_ms"] is None:
+            del row["sdpa_ms"]
+        else:
+            row["tree_over_sdpa"] = row["tree_ms"] / row["sdpa_ms"]
+        del k, v
+    results.append(row)
+    print(format_row(row), flush=True)
+
+
+def time_sdpa(q, k, v, scale: float, rep_ms: int) -> tuple[float | None, str]:
+    """First SDPA backend that runs GQA (flash, then cuDNN, then memory-efficient)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    errors = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        def dense():
+            with sdpa_kernel(backend):
+                sdpa(q, k, v, scale=scale, enable_gqa=True)
+
+        try:
+            dense()
+            return bench(dense, rep_ms), backend.name
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{backend.name}: {type(exc).__name__}: {str(exc)[:120]}")
+    return None, "; ".join(errors)
+
+
+HEADER = f"{'ctx':>6} {'batch':>5} {'B':>4} {'splits':>6} {'tree ms':>9} {'fa3 ms':>9} {'sdpa ms':>9} {'tree/fa3':>8} {'tree/sdpa':>9} {'TFLOP/s':>8} {'TB/s':>6}"
+
+
+def format_row(r: dict) -> str:
+    f = lambda key, spec: format(r[key], spec) if key in r else "-"  # noqa: E731
+    return (
+        f"{r['context']:>6} {r['batch']:>5} {r['budget']:>4} {r['splits']:>6} "
+        f"{f('tree_ms', '9.4f'):>9} {f('fa3_ms', '9.4f'):>9} {f('sdpa_ms', '9.4f'):>9} "
+        f"{f('tree_over_fa3', '8.2f'):>8} {f('tree_over_sdpa', '9.2f'):>9} "
+        f"{f('tree_tflops', '8.1f'):>8} {f('tree_tbps', '6.2f'):>6}"
+    )
+
+
+def sweep(args, fa3) -> list[dict]:
+    """Time other tile configs on three shapes; each must match the default's output."""
+    from vllm_ddtree.attention.triton_tree import TileConfig, tree_attention_triton
+
+    configs = [TileConfig(*c) for c in [
+        (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3),
+        (64, 64, 4, 3), (64, 128, 4, 2),
+    ]]
+    rows = []
+    for context, batch, budget in [(32768, 1, 256), (8192, 32, 64), (32768, 1, 16)]:
+        case = Case(context, batch, budget + 1, args)
+        n, seq = budget + 1, context + budget + 1
+        q, seq_lens, cu_q, packed = case.inputs(n, seed=budget)
+        ref = None
+        for cfg in configs:
+            out = torch.empty_like(q)
+
+            def tree():
+                tree_attention_triton(
+                    q, case.key_cache, case.value_cache, case.block_table, seq_lens, cu_q,
+                    packed, case.scale, max_query_len=n, max_seq_len=seq, out=out, config=cfg,
+                )
+
+            try:
+                tree()
+                ms = bench(tree, args.rep_ms)
+            except Exception as exc:  # noqa: BLE001
+                print(f"sweep {context} {batch} {budget} {cfg}: {type(exc).__name__}")
+                continue
+            ref = out.clone() if ref is None else ref
+            err = (out.float() - ref.float()).abs().max().item()
+            row = dict(context=context, batch=batch, budget=budget, config=list(cfg.__dict__.values()), ms=ms, max_diff_vs_first=err)
+            rows.append(row)
+            print(f"sweep ctx={context} batch={batch} B={budget} {cfg}: {ms:.4f} ms (diff {err:.1e})", flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_tree_attention needs a CUDA GPU")
+    fa3 = load_fa3(args.fa3_so)
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"fa3 {'yes' if fa3 else 'no'}  heads {args.heads}  head_dim {args.head_dim}  bf16")
+    results: list[dict] = []
+    started = time.time()
+    print(HEADER)
+    for context in args.contexts:
+        for batch in args.batches:
+            case = Case(context, batch, max(args.budgets) + 1, args)
+            for budget in args.budgets:
+                run_case(case, budget, fa3, args, results)
+            del case
+            torch.cuda.empty_cache()
+    sweep_rows = sweep(args, fa3) if args.sweep else []
+    print(f"\n== tree attention vs dense, H200 ({time.time() - started:.0f} s) ==")
+    print(HEADER)
+    for row in results:
+        print(format_row(row))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(
+            device=torch.cuda.get_device_name(), torch=torch.__version__,
+            heads=args.heads, head_dim=args.head_dim, page_size=args.page_size,
+            dtype="bfloat16", fa3=fa3 is not None, timing="median CUDA-graph replay (ms)",
+            results=results, sweep=sweep_rows,
+        ), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

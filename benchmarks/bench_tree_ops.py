@@ -1,0 +1,272 @@
+"""Per-step cost of the DDTree host-side tensor ops next to a Qwen3-8B-shaped step.
+
+Tree ops = build_ddtree (top-K per depth over the vocabulary + best-prefix selection)
++ walk_tree + plan_compaction + per-layer plan_slots / move_slots on K and V of every
+layer's paged cache (as vllm_ddtree/runner.py does). Timed eagerly (host wall time per
+call, synchronised) and as a CUDA-graph replay, with a per-op eager breakdown.
+
+The step estimate is measured in the same run: one verify forward of a Qwen3-8B-shaped
+model (36 layers of bf16 GEMMs, hidden 4096, intermediate 12288, 32 query / 8 KV heads
+of 128, vocabulary 151936) over batch x (budget + 1) tokens, with the Triton tree
+attention over a `--context`-token paged prefix per layer, captured in a CUDA graph.
+Norms, RoPE and the KV write are left out (a few percent of the step). A plain decode
+step (batch tokens, no tree) is timed too for scale.
+
+    python benchmarks/bench_tree_ops.py --batches 1,32 --budgets 16,64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_ddtree.compaction import move_slots, plan_compaction, plan_slots  # noqa: E402
+from vllm_ddtree.tree import build_ddtree  # noqa: E402
+from vllm_ddtree.verify import walk_tree  # noqa: E402
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 4096, 12288, 32, 8, 128, 151936, 36
+DEVICE = "cuda"  # --cpu-dry-run switches to "cpu" (logic check only, with TRITON_INTERPRET=1)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=ints, default=[1, 32])
+    p.add_argument("--budgets", type=ints, default=[16, 64, 256])
+    p.add_argument("--max-depth", type=int, default=15, help="DFlash block size - 1")
+    p.add_argument("--vocab", type=int, default=VOCAB)
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--context", type=int, default=4096, help="prefix tokens per request")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--cpu-dry-run", action="store_true", help="check the script on a CPU")
+    p.add_argument("--out", default="benchmarks/results/tree_ops_h200.json")
+    return p.parse_args(argv)
+
+
+def wall_ms(fn, iters: int) -> float:
+    """Median host wall time of fn() with the device synchronised around each call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def graph_ms(fn, iters: int) -> float:
+    """Median device time of one CUDA-graph replay of fn."""
+    if DEVICE != "cuda":
+        fn()
+        return float("nan")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm up on a side stream before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times)
+
+
+class TreeOps:
+    """Inputs of one DDTree step: drafter log-probs, target tokens, paged caches."""
+
+    def __init__(self, batch: int, budget: int, args):
+        dev = DEVICE
+        self.batch, self.budget, self.depth = batch, budget, args.max_depth
+        n = budget + 1
+        gen = torch.Generator(device=dev).manual_seed(batch * 1000 + budget)
+        logits = 2.0 * torch.randn(batch, self.depth, args.vocab, device=dev, generator=gen)
+        self.logprobs = logits.log_softmax(dim=-1)
+        self.roots = torch.randint(0, args.vocab, (batch,), device=dev, generator=gen)
+        # Target tokens that follow the tree 80% of the time, so walks go deep.
+        tree = build_ddtree(self.logprobs, self.roots, budget)
+        child_tok = torch.zeros(batch, n + 1, dtype=torch.int64, device=dev)
+        child_tok.scatter_(1, torch.where(tree.valid, tree.parents, n), tree.tokens)
+        noise = torch.randint(0, args.vocab, (batch, n), device=dev, generator=gen)
+        keep = torch.rand(batch, n, device=dev, generator=gen) < 0.8
+        self.target = torch.where(keep, child_tok[:, :n], noise)
+        # Paged caches of every layer; verify rows sit at positions context .. context + n - 1.
+        page = args.page_size
+        pages = -(-(args.context + n) // page)
+        num_blocks = batch * pages
+        self.caches = [
+            torch.randn(num_blocks, page, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+            for _ in range(2 * args.layers)
+        ]
+        table = torch.randperm(num_blocks, device=dev).view(batch, pages)
+        pos = args.context + torch.arange(n, device=dev)
+        self.slot_mapping = (table[:, pos // page] * page + pos % page).flatten()
+        self.query_start_loc = torch.arange(0, batch * n + 1, n, device=dev, dtype=torch.int32)
+
+    def build(self):
+        return build_ddtree(self.logprobs, self.roots, self.budget)
+
+    def walk(self, tree):
+        return walk_tree(tree, self.target, self.depth)
+
+    def compact(self, walk) -> None:
+        plan = plan_compaction(walk, self.query_start_loc)
+        for layer in range(len(self.caches) // 2):
+            src, dst = plan_slots(self.slot_mapping, plan)
+            for cache in self.caches[2 * layer : 2 * layer + 2]:
+                move_slots(cache.view(-1, KV_HEADS, HEAD_DIM), src, dst)
+
+    def step(self) -> None:
+        tree = self.build()
+        self.compact(self.walk(tree))
+
+
+class Qwen3Step:
+    """Qwen3-8B-shaped forward over `tokens` tokens: GEMMs + tree attention, 36 layers."""
+
+    def __init__(self, batch: int, queries: int, args):
+        from vllm_ddtree.attention.reference import pack_tree_mask
+        from vllm_ddtree.attention.triton_tree import tree_attention_triton
+
+        self.attend = tree_attention_triton
+        dev, dt = DEVICE, torch.bfloat16
+        self.layers, self.tokens = args.layers, batch * queries
+        qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+
+        def w(k, m):
+            return torch.randn(k, m, device=dev, dtype=dt) * k**-0.5
+
+        # Two weight sets used alternately, so no layer finds its weights in L2.
+        self.weights = [
+            (w(HIDDEN, qkv), w(HEADS * HEAD_DIM, HIDDEN), w(HIDDEN, 2 * INTER), w(INTER, HIDDEN))
+            for _ in range(2)
+        ]
+        self.lm_head = w(HIDDEN, args.vocab)
+        self.x = torch.randn(self.tokens, HIDDEN, device=dev, dtype=dt)
+        page = args.page_size
+        seq = args.context + queries
+        pages = -(-seq // page)
+        shape = (batch * pages, page, KV_HEADS, HEAD_DIM)
+        self.key_cache = torch.randn(shape, device=dev, dtype=dt)
+        self.value_cache = torch.randn(shape, device=dev, dtype=dt)
+        self.block_table = torch.randperm(batch * pages, device=dev, dtype=torch.int32).view(batch, pages)
+        self.seq_lens = torch.full((batch,), seq, device=dev, dtype=torch.int32)
+        self.query_start_loc = torch.arange(0, self.tokens + 1, queries, device=dev, dtype=torch.int32)
+        causal = torch.ones(queries, queries, dtype=torch.bool, device=dev).tril()
+        self.mask = pack_tree_mask(causal[None].expand(batch, -1, -1).contiguous())
+        self.queries, self.seq = queries, seq
+
+    def __call__(self) -> torch.Tensor:
+        x = self.x
+        for layer in range(self.layers):
+            w_qkv, w_o, w_gu, w_down = self.weights[layer % 2]
+            qkv = x @ w_qkv
+            q = qkv[:, : HEADS * HEAD_DIM].view(self.tokens, HEADS, HEAD_DIM)
+            attn = self.attend(
+                q, self.key_cache, self.value_cache, self.block_table, self.seq_lens,
+                self.query_start_loc, self.mask, HEAD_DIM**-0.5,
+                max_query_len=self.queries, max_seq_len=self.seq,
+            )
+            x = x + attn.view(self.tokens, -1) @ w_o
+            gate_up = x @ w_gu
+            x = x + (torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]) @ w_down
+        return x @ self.lm_head
+
+
+def main(argv: list[str] | None = None) -> None:
+    global DEVICE
+    args = parse_args(argv)
+    if args.cpu_dry_run:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_tree_ops needs a CUDA GPU (or --cpu-dry-run)")
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    print(f"device {name}  torch {torch.__version__}  "
+          f"depth {args.max_depth}  vocab {args.vocab}  layers {args.layers}  context {args.context}")
+    rows = []
+    decode_ms = {}
+    for batch in args.batches:
+        model = Qwen3Step(batch, 1, args)
+        decode_ms[batch] = graph_ms(model, 5)
+        del model
+        torch.cuda.empty_cache()
+        for budget in args.budgets:
+            ops = TreeOps(batch, budget, args)
+            tree = ops.build()
+            walk = ops.walk(tree)
+            row = dict(batch=batch, budget=budget, queries=batch * (budget + 1))
+            row["build_eager_ms"] = wall_ms(ops.build, args.iters)
+            row["walk_eager_ms"] = wall_ms(lambda: ops.walk(tree), args.iters)
+            row["compact_eager_ms"] = wall_ms(lambda: ops.compact(walk), args.iters)
+            row["ops_eager_ms"] = wall_ms(ops.step, args.iters)
+            row["ops_graph_ms"] = graph_ms(ops.step, args.iters)
+            row["mean_accepted"] = float(walk.num_accepted.float().mean())
+            del ops, tree, walk
+            torch.cuda.empty_cache()
+            model = Qwen3Step(batch, budget + 1, args)
+            row["verify_step_ms"] = graph_ms(model, 5)
+            row["decode_step_ms"] = decode_ms[batch]
+            del model
+            torch.cuda.empty_cache()
+            row["eager_pct"] = 100 * row["ops_eager_ms"] / row["verify_step_ms"]
+            row["graph_pct"] = 100 * row["ops_graph_ms"] / row["verify_step_ms"]
+            rows.append(row)
+            print(format_row(row), flush=True)
+    print("\n== DDTree tree ops per step vs a Qwen3-8B-shaped verify step, H200 ==")
+    print(HEADER)
+    for row in rows:
+        print(format_row(row))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(
+            device=name, torch=torch.__version__,
+            max_depth=args.max_depth, vocab=args.vocab, layers=args.layers,
+            context=args.context, page_size=args.page_size,
+            note="ops = build_ddtree + walk_tree + plan_compaction + per-layer plan_slots/"
+                 "move_slots (K and V); step = Qwen3-8B-shaped GEMMs + tree attention, graph",
+            results=rows,
+        ), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+HEADER = (
+    f"{'batch':>5} {'B':>4} {'build':>7} {'walk':>6} {'compact':>7} {'ops eager':>9} "
+    f"{'ops graph':>9} {'verify step':>11} {'decode step':>11} {'eager %':>7} {'graph %':>7}"
+)
+
+
+def format_row(r: dict) -> str:
+    return (
+        f"{r['batch']:>5} {r['budget']:>4} {r['build_eager_ms']:>7.3f} {r['walk_eager_ms']:>6.3f} "
+        f"{r['compact_eager_ms']:>7.3f} {r['ops_eager_ms']:>9.3f} {r['ops_graph_ms']:>9.3f} "
+        f"{r['verify_step_ms']:>11.3f} {r['decode_step_ms']:>11.3f} {r['eager_pct']:>7.1f} "
+        f"{r['graph_pct']:>7.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

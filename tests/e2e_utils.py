@@ -1,0 +1,75 @@
+"""Helpers shared by the end-to-end tests: engines, prompts and metrics."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+ENGINE_KW: dict[str, Any] = dict(
+    dtype="float32",
+    enforce_eager=True,
+    gpu_memory_utilization=0.25,
+    max_model_len=384,
+    seed=0,
+    disable_log_stats=False,
+)
+
+# Eight prompts of different lengths (a batch of 8, mixed prefix lengths).
+PROMPTS = [
+    "the the the the",
+    "def foo(x): return x * 3",
+    "Beautiful is better than ugly.",
+    "Explicit is better than implicit. Simple is better than complex. Complex",
+    "x",
+    "Now is better than never. Although never is often better than right now.",
+    "In the face of ambiguity, refuse the temptation to guess.",
+    "def bar(y=7): return y * 9 if y else None",
+]
+
+
+def make_llm(model: str, speculative_config: dict | None = None, **kw: Any):
+    from vllm import LLM
+
+    args = {**ENGINE_KW, **kw}
+    if speculative_config is not None:
+        args["speculative_config"] = speculative_config
+    return LLM(model=model, **args)
+
+
+def shutdown(llm) -> None:
+    """Stop an engine now so the next one gets the memory."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+
+
+def greedy(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def prompt_ids(llm, prompts: list[str]) -> list[tuple[int, ...]]:
+    outputs = llm.generate(prompts, _one_token(), use_tqdm=False)
+    return [tuple(o.prompt_token_ids) for o in outputs]
+
+
+def _one_token():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def spec_metrics(llm) -> dict[str, Any]:
+    """vLLM's spec-decode counters as plain numbers."""
+    out: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            key = metric.name.removeprefix("vllm:spec_decode_")
+            out[key] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    return out

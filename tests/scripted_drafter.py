@@ -1,0 +1,137 @@
+"""A scripted DFlash drafter for end-to-end tests.
+
+A random drafter accepts nothing, so tests script the drafter's per-depth
+distribution instead: knowing the target's greedy continuation (from a first
+non-speculative run), the true token for depth d sits at a chosen rank of the
+drafter's distribution, or is absent. The DFlash model still runs (its KV and
+context handling are exercised); only its logits are replaced.
+
+vLLM's CPU backend spawns its worker, so the script travels by plugin: the
+test writes the script to a JSON file and puts a throwaway distribution on
+the path (sys.path, which spawned children inherit, and PYTHONPATH) whose ``vllm.general_plugins`` entry point (:func:`plugin`) patches
+the proposer in every vLLM process that sees ``DDTREE_SCRIPTED_DRAFTER``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vllm_ddtree.proposer import DDTreeProposer
+
+ABSENT = -1
+# Log-probability gap between consecutive ranks: distinct, so no ties.
+RANK_STEP = 3.0
+
+
+def rank_rule_mixed(position: int, depth: int) -> int:
+    """Deterministic pseudo-random rank: mostly 0, sometimes 1 or 2, or absent."""
+    h = ((position * 2654435761 + depth * 40503) % 1000) / 1000
+    if h < 0.8:
+        return 0
+    if h < 0.9:
+        return 1
+    if h < 0.95:
+        return 2
+    return ABSENT
+
+
+def scripted_logprobs(
+    true_tokens: list[int | None],  # token at depth 1..L, None past the reference
+    rank_of: Callable[[int], int],  # depth -> rank of the true token, or ABSENT
+    vocab: int,
+) -> torch.Tensor:
+    """``[L, vocab]`` log-probabilities with the true token at the chosen ranks."""
+    depth_count = len(true_tokens)
+    logits = torch.full((depth_count, vocab), -30.0)
+    for d, true in enumerate(true_tokens, start=1):
+        anchor = true if true is not None else 5
+        rank = rank_of(d) if true is not None else ABSENT
+        # Decoys: distinct tokens other than the true one, in a fixed order.
+        decoys = [(anchor + 11 * (i + 1)) % vocab for i in range(4)]
+        decoys = [t for t in decoys if t != anchor][:3]
+        order = list(decoys)
+        if rank != ABSENT:
+            order.insert(rank, anchor)
+        for r, tok in enumerate(order[:4]):
+            logits[d - 1, tok] = -RANK_STEP * r - 0.05 * d
+    return logits.log_softmax(dim=-1)
+
+
+def rank_rule_siblings(position: int, depth: int) -> int:
+    """Non-first siblings often, absences rarely: exercises ranks 1 and 2."""
+    return [0, 1, 2, 0, 1, 0, 0, ABSENT][(position + depth) % 8]
+
+
+RULES: dict[str, Callable[[int, int], int]] = {
+    "mixed": rank_rule_mixed,
+    "siblings": rank_rule_siblings,
+}
+ENV = "DDTREE_SCRIPTED_DRAFTER"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def install(
+    monkeypatch,
+    tmp_dir: Path,
+    references: dict[tuple[int, ...], list[int]],  # prompt ids -> greedy output ids
+    rule: str = "mixed",
+) -> None:
+    """Script the drafter of every engine started afterwards in this test."""
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    script = tmp_dir / "script.json"
+    script.write_text(
+        json.dumps({"rule": rule, "refs": [[list(p), o] for p, o in references.items()]})
+    )
+    dist = tmp_dir / "ddtree_scripted_drafter-0.0.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: ddtree-scripted-drafter\nVersion: 0.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nddtree_scripted = tests.scripted_drafter:plugin\n"
+    )
+    path = os.pathsep.join(
+        p for p in (str(tmp_dir), str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p
+    )
+    monkeypatch.setenv("PYTHONPATH", path)
+    # Spawned children take the parent's sys.path, not PYTHONPATH.
+    monkeypatch.syspath_prepend(str(tmp_dir))
+    monkeypatch.setenv(ENV, str(script))
+
+
+def plugin() -> None:
+    """vLLM plugin entry point: patch the proposer when a script is given."""
+    script_path = os.environ.get(ENV)
+    if not script_path:
+        return
+    script = json.loads(Path(script_path).read_text())
+    references = {tuple(p): o for p, o in script["refs"]}
+    rank_rule = RULES[script["rule"]]
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        depth = self.ddtree.max_depth
+        vocab = self.ddtree.vocab_size
+        num_reqs = hidden_states.shape[0] // depth
+        rows = []
+        for r in range(num_reqs):
+            req_id = self.runner.input_batch.req_ids[r]
+            prompt = tuple(self.runner.requests[req_id].prompt_token_ids)
+            full = list(prompt) + references[prompt]
+            bonus_pos = int(self.positions[r * self.ddtree.block_size])
+            true = [
+                full[bonus_pos + d] if bonus_pos + d < len(full) else None
+                for d in range(1, depth + 1)
+            ]
+            rows.append(
+                scripted_logprobs(true, lambda d: rank_rule(bonus_pos, d), vocab)
+            )
+        logprobs = torch.cat(rows).to(hidden_states.device)
+        self._draft_logprobs = logprobs
+        return logprobs.argmax(dim=-1), None
+
+    DDTreeProposer._sample_draft_tokens = _sample_draft_tokens

@@ -1,0 +1,329 @@
+"""GPU tests for vllm_ddtree/attention/triton_tree.py against its torch twin.
+
+Every check draws fresh random inputs (a fixed seed per case), poisons the output with
+NaN so every element must be written, and leaves NaN in every cache slot no request owns:
+reading one poisons the result. Trees are random (depth <= 15, the DFlash block size 16
+minus one) and the bool masks carry random garbage outside each request's verify width.
+A few cases also go through the independent per-branch causal oracle. Run on the CPU
+through Triton's interpreter with ``TRITON_INTERPRET=1`` (slow: use ``-k``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_ddtree.attention.reference import (
+    pack_tree_mask,
+    tree_attention_reference,
+    write_kv_to_cache,
+)
+from vllm_ddtree.attention.triton_tree import tree_attention_triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and not INTERPRET, reason="needs CUDA"
+    ),
+]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Triton's interpreter gets bf16 dots wrong (seen with Triton 3.9): fp16 stands in there.
+BF16 = torch.float16 if INTERPRET and DEVICE.type == "cpu" else torch.bfloat16
+
+BUDGETS = [1, 3, 7, 8, 15, 16, 17, 31, 63, 255, 512]
+MAX_DEPTH = 15  # DFlash block size 16
+SCALE = 0.083
+# float32 dots run as 3-pass tf32; 16-bit kernels round P to the input dtype before P @ V.
+TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # per element
+REL_NORM = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 5e-3}  # |d| / |ref|
+
+
+def random_tree_parents(num_nodes: int, max_depth: int, rng: random.Random) -> list[int]:
+    """parents[0] = -1 (root); parents precede children; depth <= max_depth."""
+    parents, depths = [-1], [0]
+    for node in range(1, num_nodes):
+        parent = rng.choice([j for j in range(node) if depths[j] < max_depth])
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return parents
+
+
+def root_to_node(parents: list[int], node: int) -> list[int]:
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def padded_tree_mask(trees: list[list[int]], width: int, seed: int) -> torch.Tensor:
+    """[num_reqs, width, width] bool ancestor matrices padded with random garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(len(trees), width, width, generator=gen) < 0.5
+    for r, parents in enumerate(trees):
+        n = len(parents)
+        mask[r, :n, :n] = False
+        for node in range(n):
+            mask[r, node, root_to_node(parents, node)] = True
+    return mask.to(DEVICE)
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor  # [num_tokens + padding, num_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, page_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor  # [num_blocks, page_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    keys: list[torch.Tensor]  # per request [seq_len, num_kv_heads, head_dim]
+    values: list[torch.Tensor]
+    prefix_lens: list[int]
+
+
+def make_batch(
+    query_lens: list[int],
+    prefix_lens: list[int],
+    heads: tuple[int, int],
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    page_size: int = 16,
+    flash_layout: bool = False,
+) -> Batch:
+    """Random K/V written through shuffled blocks into NaN caches; table columns past a
+    request's pages point at foreign or spare (NaN) blocks."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    seq_lens = [p + n for p, n in zip(prefix_lens, query_lens, strict=True)]
+    pages = [-(-s // page_size) for s in seq_lens]
+    num_blocks = sum(pages) + 3
+    physical = torch.randperm(num_blocks, generator=gen, device=DEVICE)
+    block_table = torch.randint(
+        0, num_blocks, (len(seq_lens), max(pages) + 2), generator=gen, device=DEVICE
+    )
+    first = 0
+    for r, count in enumerate(pages):
+        block_table[r, :count] = physical[first : first + count]
+        first += count
+    if flash_layout:  # vLLM's per-layer [num_blocks, kv_heads, page, 2 * head_dim]
+        shape = (num_blocks, num_kv_heads, page_size, 2 * head_dim)
+        kv_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+    else:
+        shape = (num_blocks, page_size, num_kv_heads, head_dim)
+        key_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        value_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    keys, values = [], []
+    for r, seq_len in enumerate(seq_lens):
+        kv = torch.randn(
+            2, seq_len, num_kv_heads, head_dim, generator=gen, device=DEVICE
+        ).to(dtype)
+        positions = torch.arange(seq_len, device=DEVICE)
+        slots = block_table[r, positions // page_size] * page_size + positions % page_size
+        write_kv_to_cache(kv[0], kv[1], key_cache, value_cache, slots)
+        keys.append(kv[0])
+        values.append(kv[1])
+    total = sum(query_lens)
+    query = torch.randn(
+        total + 2, num_heads, head_dim, generator=gen, device=DEVICE
+    ).to(dtype)
+    query_start_loc = torch.tensor([0] + query_lens, device=DEVICE).cumsum(0)
+    return Batch(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=block_table.to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=query_start_loc.to(torch.int32),
+        keys=keys,
+        values=values,
+        prefix_lens=prefix_lens,
+    )
+
+
+def run_triton(batch: Batch, mask: torch.Tensor | None, **kwargs) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))  # every element must be written
+    result = tree_attention_triton(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, mask, SCALE, out=out, **kwargs,
+    )
+    assert result is out
+    assert not out.isnan().any(), "unwritten (or NaN-reading) output elements"
+    return out
+
+
+def run_reference(batch: Batch, mask: torch.Tensor | None) -> torch.Tensor:
+    return tree_attention_reference(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, mask, SCALE,
+    )
+
+
+def check_against_reference(
+    batch: Batch, mask: torch.Tensor | None, splits: tuple[int | None, ...] = (None, 5)
+) -> torch.Tensor:
+    """Kernel == torch twin, with the automatic split count and a forced split-KV."""
+    expected = run_reference(batch, mask)
+    for num_splits in splits:
+        out = run_triton(batch, mask, num_splits=num_splits)
+        assert_close(out, expected)
+    return out
+
+
+def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    tol = TOLERANCES[out.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    diff = (out.float() - expected.float()).norm() / expected.float().norm()
+    assert diff < REL_NORM[out.dtype], f"relative error {diff:.2e}"
+
+
+def random_trees(budgets: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_tree_parents(b + 1, MAX_DEPTH, rng) for b in budgets]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_budgets_match_reference(budget: int):
+    # Mixed widths, a plain decode row (budget 0) and odd prefixes, one of them empty.
+    budgets = [budget, max(0, budget // 3), 0, budget]
+    trees = random_trees(budgets, seed=budget)
+    batch = make_batch(
+        [len(t) for t in trees], [0, 37, 5, 1000 + budget], (32, 8), 128,
+        BF16, seed=budget,
+    )
+    mask = padded_tree_mask(trees, budget + 4, seed=budget)
+    # Odd budgets send the packed form, even ones the bool form.
+    check_against_reference(batch, pack_tree_mask(mask) if budget % 2 else mask)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_dtypes_and_head_dims(dtype: torch.dtype, head_dim: int):
+    budgets = [17, 3, 63]
+    seed = head_dim + {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[dtype]
+    trees = random_trees(budgets, seed)
+    batch = make_batch(
+        [len(t) for t in trees], [129, 0, 77], (8, 2), head_dim, dtype, seed
+    )
+    check_against_reference(batch, padded_tree_mask(trees, 64, seed))
+
+
+@pytest.mark.parametrize("budget", [7, 255])
+def test_mha(budget: int):
+    trees = random_trees([budget, 5], seed=budget + 100)
+    batch = make_batch(
+        [len(t) for t in trees], [311, 64], (16, 16), 128, BF16, budget
+    )
+    check_against_reference(batch, padded_tree_mask(trees, budget + 1, budget))
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16, 32, 64])
+def test_page_sizes(page_size: int):
+    trees = random_trees([16, 31], seed=page_size)
+    batch = make_batch(
+        [17, 32], [100, 3], (8, 2), 64, BF16, page_size, page_size=page_size
+    )
+    check_against_reference(batch, padded_tree_mask(trees, 40, page_size))
+
+
+def test_flash_attention_strided_cache_views():
+    trees = random_trees([16, 7], seed=4)
+    batch = make_batch(
+        [17, 8], [50, 0], (8, 2), 128, BF16, seed=4, flash_layout=True
+    )
+    assert not batch.key_cache.is_contiguous()
+    check_against_reference(batch, padded_tree_mask(trees, 17, 4))
+
+
+def test_no_mask_is_causal():
+    # Decode rows, a prefill chunk, a request with no query this step, a longer chunk.
+    batch = make_batch(
+        [1, 5, 0, 70, 3], [0, 0, 4, 2, 300], (8, 2), 128, BF16, seed=11
+    )
+    check_against_reference(batch, None)
+
+
+def test_long_prefix_128k():
+    # 128K prefix at batch 1-2, where split-KV must fill the GPU.
+    trees = random_trees([16, 255], seed=12)
+    batch = make_batch(
+        [17, 256], [128 * 1024 - 3, 4099], (8, 2), 128, BF16, seed=12
+    )
+    check_against_reference(batch, padded_tree_mask(trees, 256, 12), splits=(None,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("budget", [8, 31])
+def test_every_branch_matches_causal_oracle(budget: int, dtype: torch.dtype):
+    trees = random_trees([budget, budget], seed=budget * 7)
+    batch = make_batch(
+        [budget + 1] * 2, [0, 201], (8, 2), 64, dtype, seed=budget * 7
+    )
+    out = run_triton(batch, padded_tree_mask(trees, budget + 1, budget))
+    tol = TOLERANCES[dtype]
+    for r, parents in enumerate(trees):
+        first = int(batch.query_start_loc[r])
+        for node in range(len(parents)):
+            expected = branch_oracle(batch, r, parents, node)
+            torch.testing.assert_close(
+                out[first + node].float(), expected, atol=tol, rtol=tol
+            )
+    assert torch.all(out[int(batch.query_start_loc[-1]) :] == 0)
+
+
+def branch_oracle(
+    batch: Batch, r: int, parents: list[int], node: int
+) -> torch.Tensor:  # [num_heads, head_dim] float32
+    """Plain attention of the node over prefix + its root-to-node branch alone."""
+    prefix_len = batch.prefix_lens[r]
+    branch = [prefix_len + j for j in root_to_node(parents, node)]
+    index = torch.tensor(list(range(prefix_len)) + branch, device=DEVICE)
+    key = batch.keys[r][index].float().transpose(0, 1)  # [num_kv_heads, len, head_dim]
+    value = batch.values[r][index].float().transpose(0, 1)
+    q = batch.query[int(batch.query_start_loc[r]) + node].float()[:, None]
+    out = F.scaled_dot_product_attention(q, key, value, scale=SCALE, enable_gqa=True)
+    return out[:, 0]
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_without_host_sync():
+    # With host-side bounds the call never syncs, so it can be captured and replayed.
+    budgets = [16, 63]
+    trees = random_trees(budgets, seed=21)
+    batch = make_batch([17, 64], [3000, 19], (8, 2), 128, BF16, seed=21)
+    mask = pack_tree_mask(padded_tree_mask(trees, 64, 21))
+    bounds = dict(max_query_len=64, max_seq_len=3017)
+    out = torch.full_like(batch.query, float("nan"))
+
+    def call() -> None:
+        tree_attention_triton(
+            batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+            batch.seq_lens, batch.query_start_loc, mask, SCALE, out=out, **bounds,
+        )
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()  # compiles and would raise on any device-to-host sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    batch.query.copy_(torch.randn_like(batch.query))  # new inputs, same buffers
+    out.fill_(float("nan"))
+    graph.replay()
+    assert_close(out, run_reference(batch, mask))
+
+
+def test_mask_narrower_than_verify_width_is_rejected():
+    # The SGLang bug: a mask sized by the drafter block size (8) for budget 16.
+    batch = make_batch([17], [4], (8, 2), 64, BF16, seed=0)
+    mask = torch.ones(1, 8, 8, dtype=torch.bool, device=DEVICE).tril()
+    with pytest.raises(ValueError, match="budget \\+ 1"):
+        run_triton(batch, mask)
