@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fa3-so", default=None, help="_vllm_fa3_C.abi3.so (or .xz)")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also try other tile configs")
+    p.add_argument("--sweep-budget-s", type=float, default=60.0)
     p.add_argument("--rep-ms", type=int, default=30)
     p.add_argument("--out", default="benchmarks/results/tree_attention_h200.json")
     return p.parse_args(argv)
@@ -225,6 +226,9 @@ def format_row(r: dict) -> str:
     )
 
 
+SWEEP_SHAPES = [(32768, 1, 256), (8192, 32, 64), (32768, 1, 16)]  # (context, batch, budget)
+
+
 def sweep(args, fa3) -> list[dict]:
     """Time other tile configs on three shapes; each must match the default's output."""
     from vllm_ddtree.attention.triton_tree import TileConfig, tree_attention_triton
@@ -234,7 +238,11 @@ def sweep(args, fa3) -> list[dict]:
         (64, 64, 4, 3), (64, 128, 4, 2),
     ]]
     rows = []
-    for context, batch, budget in [(32768, 1, 256), (8192, 32, 64), (32768, 1, 16)]:
+    started = time.time()
+    for context, batch, budget in SWEEP_SHAPES:
+        if time.time() - started > args.sweep_budget_s:
+            print("sweep: out of time, skipping the remaining shapes")
+            break
         case = Case(context, batch, budget + 1, args)
         n, seq = budget + 1, context + budget + 1
         q, seq_lens, cu_q, packed = case.inputs(n, seed=budget)
@@ -272,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"fa3 {'yes' if fa3 else 'no'}  heads {args.heads}  head_dim {args.head_dim}  bf16")
     results: list[dict] = []
+    sweep_rows: list[dict] = []
     started = time.time()
     print(HEADER)
     for context in args.contexts:
@@ -279,13 +288,20 @@ def main(argv: list[str] | None = None) -> None:
             case = Case(context, batch, max(args.budgets) + 1, args)
             for budget in args.budgets:
                 run_case(case, budget, fa3, args, results)
+                save(args, fa3, results, sweep_rows)  # partial results survive a timeout
             del case
             torch.cuda.empty_cache()
-    sweep_rows = sweep(args, fa3) if args.sweep else []
     print(f"\n== tree attention vs dense, H200 ({time.time() - started:.0f} s) ==")
     print(HEADER)
     for row in results:
         print(format_row(row))
+    if args.sweep:
+        sweep_rows = sweep(args, fa3)
+        save(args, fa3, results, sweep_rows)
+    print(f"wrote {args.out}")
+
+
+def save(args, fa3, results: list[dict], sweep_rows: list[dict]) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(
@@ -294,8 +310,6 @@ def main(argv: list[str] | None = None) -> None:
             dtype="bfloat16", fa3=fa3 is not None, timing="median CUDA-graph replay (ms)",
             results=results, sweep=sweep_rows,
         ), f, indent=1)
-    print(f"wrote {args.out}")
-
 
 if __name__ == "__main__":
     main()
