@@ -31,7 +31,7 @@ def register() -> None:
 
     from vllm_ddtree import patches
 
-    logger = init_logger(__name__)
+    logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
     version = getattr(vllm, "__version__", "unknown")
     if not version.startswith(tuple(v + "." for v in SUPPORTED_VLLM)):
         message = (

@@ -146,11 +146,13 @@ def _user_message(exc: ValueError) -> str:
     reverse = {field: key for key, field in USER_KEYS.items()}
     parts = []
     for err in errors():
-        loc = ".".join(str(p) for p in err.get("loc", ())) or "ddtree"
-        key = reverse.get(loc, loc)
+        loc = ".".join(str(p) for p in err.get("loc", ()))
         msg = err.get("msg", "invalid value")
         if "ctx" in err and "error" in err["ctx"]:
             msg = str(err["ctx"]["error"])
+        if not loc:  # a cross-field rule: its message names key and value itself
+            return f"Invalid DDTree config: {msg}"
+        key = reverse.get(loc, loc)
         parts.append(f"{key}={err.get('input')!r}: {msg}")
     allowed = (
         f"allowed: ddtree_budget in 1..{MAX_BUDGET}, "

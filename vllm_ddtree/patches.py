@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
 _orig: dict[str, Any] = {}
 
@@ -59,6 +59,12 @@ def _patch_create_speculative_config() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         spec = self.speculative_config
         if not is_ddtree_request(spec):
+            stray = sorted(k for k in (spec or {}) if str(k).startswith("ddtree_"))
+            if stray:
+                raise ValueError(
+                    f"{stray} only apply with \"method\": \"ddtree\"; got "
+                    f"method={spec.get('method')!r}."
+                )
             return orig(self, target_model_config, target_parallel_config)
         if self.async_scheduling:
             raise ValueError(

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
 PLACEHOLDER_TOKEN_ID = -1
 

@@ -24,7 +24,7 @@ from vllm_ddtree.config import (
     read_drafter_block_size,
 )
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 # Tensors every z-lab-format DFlash checkpoint carries (layer 0 stands for all).
@@ -83,6 +83,12 @@ def make_ddtree_speculative_config(
     view of the request (it receives the dict without the ``ddtree_*`` keys).
     """
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    unknown = sorted(k for k in spec if k.startswith("ddtree_") and k not in USER_KEYS)
+    if unknown:
+        raise ValueError(
+            f"Unknown DDTree key(s) {unknown}; the DDTree keys are "
+            f"{sorted(USER_KEYS)}."
+        )
     drafter = spec.get("model")
     if not drafter:
         raise ValueError(
@@ -108,6 +114,13 @@ def make_ddtree_speculative_config(
         spec, block_size=read_drafter_block_size(draft_hf), vocab_size=vocab
     )
     _check_drafter_against_target(draft_hf, target_hf, vocab, raw)
+    max_len = base.target_model_config.max_model_len
+    if ddtree.verify_width > max_len:
+        raise ValueError(
+            f"ddtree_budget={ddtree.budget} needs {ddtree.verify_width} verify "
+            f"tokens per step, more than max_model_len={max_len}; use a budget "
+            f"of at most {max_len - 1}."
+        )
 
     base.__class__ = DDTreeSpeculativeConfig
     object.__setattr__(base, "ddtree", ddtree)
