@@ -185,7 +185,9 @@ def select_trees(
     def pick(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.where(use.view(-1, *([1] * (a.dim() - 1))), a, b)
 
-    mask = picked.ancestor_mask & valid[:, None, :]
+    # Ancestors precede their nodes, so a scheduled node's ancestors are all
+    # scheduled; padding nodes keep {root, self} and never influence real ones.
+    mask = picked.ancestor_mask
     return DDTree(
         tokens=pick(picked.tokens, chains.tokens),
         parents=pick(picked.parents, chains.parents),

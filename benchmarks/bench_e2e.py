@@ -1,0 +1,208 @@
+"""End-to-end benchmark: non-speculative vs DFlash chain vs DDTree, one run.
+
+For each method the same prompts (code, math, chat, prose) are generated at
+T=0 and T=1, batch 1 and batch 8. Reported per row: tau (mean tokens committed
+per verify step, bonus included), acceptance per depth, tokens/s and the
+ratios to non-speculative decoding and to the chain, measured side by side.
+
+    python benchmarks/bench_e2e.py --target DIR --drafter DIR      # full matrix
+    python benchmarks/bench_e2e.py --quick                         # CI-sized run
+
+Without --target/--drafter it uses the SmolLM2 pair when the trained drafter
+is in models/, else tiny models it builds. Writes JSON (and a PNG plot when
+matplotlib is installed) to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TRAINED_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "dflash-smollm2-135m-b8"
+
+PROMPTS = {
+    "code": "Write a Python function that returns the n-th Fibonacci number.",
+    "math": "What is 17 times 23? Explain the steps.",
+    "chat": "Hi! Can you suggest three names for a small grey cat?",
+    "prose": "Write a short paragraph about autumn in the mountains.",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=Path, default=None)
+    p.add_argument("--drafter", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="a few configs, for CI")
+    p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    p.add_argument("--caps", type=str, nargs="+", default=["1", "2", "4", "none"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device-name", default="cpu", help="label for the results file")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
+    if args.target and args.drafter:
+        return args.target, args.drafter
+    if (TRAINED_DRAFTER / "config.json").exists():
+        from vllm_ddtree.real_models import make_smollm2
+
+        return make_smollm2(), TRAINED_DRAFTER
+    from vllm_ddtree import tiny_models
+
+    root = Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree"))
+    target = root / "bench-tiny-target"
+    if not (target / "config.json").exists():
+        tiny_models.make_target(target, "llama", embed_std=3.0)
+    drafter = root / "bench-tiny-drafter-b8"
+    if not (drafter / "config.json").exists():
+        tiny_models.make_dflash_drafter(drafter, target, block_size=8, mode="repeat")
+    return target, drafter
+
+
+def methods(args: argparse.Namespace, drafter: Path) -> list[tuple[str, dict | None]]:
+    block = json.loads((drafter / "config.json").read_text())["block_size"]
+    out: list[tuple[str, dict | None]] = [
+        ("plain", None),
+        ("chain", {"method": "dflash", "model": str(drafter),
+                   "num_speculative_tokens": block - 1}),
+    ]
+    budgets, caps = (args.budgets, args.caps) if not args.quick else ([8], ["4"])
+    for budget in budgets:
+        for cap in caps:
+            out.append((f"ddtree-b{budget}-k{cap}", {
+                "method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
+                "ddtree_topk_cap": None if cap == "none" else int(cap)}))
+    return out
+
+
+def spec_counters(llm) -> dict[str, Any]:
+    stats: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            key = m.name.removeprefix("vllm:spec_decode_")
+            stats[key] = getattr(m, "values", None) or getattr(m, "value", 0) or 0
+    return stats
+
+
+def run_method(target: Path, config: dict | None, args: argparse.Namespace) -> list[dict]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(target), speculative_config=config, dtype=args.dtype,
+              enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=1024,
+              disable_log_stats=False, seed=0)
+    prompts = [llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        for text in PROMPTS.values()]
+    rows = []
+    for temperature in (0.0, 1.0):
+        for batch in (1, 8):
+            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                    ignore_eos=True, seed=0)
+            batch_prompts = (prompts * 2)[:batch]
+            llm.generate(batch_prompts[:1], params, use_tqdm=False)  # warm-up
+            before = spec_counters(llm)
+            start = time.perf_counter()
+            outputs = llm.generate(batch_prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            after = spec_counters(llm)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            rows.append(summarize(before, after, tokens, elapsed, temperature, batch))
+    llm.llm_engine.engine_core.shutdown()
+    return rows
+
+
+def summarize(before, after, tokens, elapsed, temperature, batch) -> dict:
+    drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+    accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+    per_pos_a = list(after.get("num_accepted_tokens_per_pos") or [])
+    per_pos_b = list(before.get("num_accepted_tokens_per_pos") or [0] * len(per_pos_a))
+    per_depth = [a - b for a, b in zip(per_pos_a, per_pos_b)]
+    while per_depth and per_depth[-1] == 0:
+        per_depth.pop()
+    return {
+        "temperature": temperature, "batch": batch, "tokens": tokens,
+        "seconds": elapsed, "tok_per_s": tokens / elapsed,
+        "steps": drafts, "tau": 1 + accepted / drafts if drafts else 1.0,
+        "accept_rate_per_depth": [round(c / drafts, 4) for c in per_depth] if drafts else [],
+    }
+
+
+def print_table(results: dict[str, list[dict]]) -> None:
+    base = {(r["temperature"], r["batch"]): r for r in results["plain"]}
+    chain = {(r["temperature"], r["batch"]): r for r in results.get("chain", [])}
+    print(f"{'method':<18}{'T':>4}{'batch':>6}{'tau':>7}{'tok/s':>9}"
+          f"{'x plain':>9}{'x chain':>9}  per-depth acceptance")
+    for name, rows in results.items():
+        for r in rows:
+            key = (r["temperature"], r["batch"])
+            vs_plain = r["tok_per_s"] / base[key]["tok_per_s"]
+            vs_chain = r["tok_per_s"] / chain[key]["tok_per_s"] if key in chain else float("nan")
+            depths = " ".join(f"{x:.2f}" for x in r["accept_rate_per_depth"][:8])
+            print(f"{name:<18}{r['temperature']:>4.1f}{r['batch']:>6}{r['tau']:>7.2f}"
+                  f"{r['tok_per_s']:>9.1f}{vs_plain:>9.2f}{vs_chain:>9.2f}  {depths}")
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for cap in sorted({n.split("-k")[1] for n in results if n.startswith("ddtree")}):
+        names = sorted((n for n in results if n.endswith(f"-k{cap}")),
+                       key=lambda n: int(n.split("-b")[1].split("-")[0]))
+        budgets = [int(n.split("-b")[1].split("-")[0]) for n in names]
+        for ax, field in zip(axes, ("tau", "tok_per_s")):
+            ys = [next(r[field] for r in results[n]
+                       if r["temperature"] == 0.0 and r["batch"] == 1) for n in names]
+            ax.plot(budgets, ys, marker="o", label=f"DDTree top-k cap {cap}")
+    for ax, field in zip(axes, ("tau", "tok_per_s")):
+        for ref in ("chain", "plain"):
+            if ref in results:
+                y = next(r[field] for r in results[ref]
+                         if r["temperature"] == 0.0 and r["batch"] == 1)
+                ax.axhline(y, linestyle="--", label=ref)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget")
+        ax.set_ylabel(field)
+        ax.legend(fontsize=7)
+    fig.suptitle("T=0, batch 1")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    target, drafter = resolve_models(args)
+    print(f"[bench] target {target}\n[bench] drafter {drafter}", flush=True)
+    results: dict[str, list[dict]] = {}
+    for name, config in methods(args, drafter):
+        print(f"[bench] {name} ...", flush=True)
+        results[name] = run_method(target, config, args)
+    print_table(results)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = args.out or RESULTS / f"e2e_{args.device_name}{'_quick' if args.quick else ''}"
+    Path(f"{stem}.json").write_text(json.dumps(
+        {"target": str(target), "drafter": str(drafter), "max_tokens": args.max_tokens,
+         "dtype": args.dtype, "results": results}, indent=1))
+    if plot(results, Path(f"{stem}.png")):
+        print(f"[bench] wrote {stem}.json and {stem}.png")
+    else:
+        print(f"[bench] wrote {stem}.json (install matplotlib for the plot)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
