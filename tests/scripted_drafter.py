@@ -72,6 +72,7 @@ RULES: dict[str, Callable[[int, int], int]] = {
     "siblings": rank_rule_siblings,
 }
 ENV = "DDTREE_SCRIPTED_DRAFTER"
+TREE_LOG_ENV = "DDTREE_TREE_LOG_DIR"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -87,6 +88,20 @@ def install(
     script.write_text(
         json.dumps({"rule": rule, "refs": [[list(p), o] for p, o in references.items()]})
     )
+    _install_plugin(monkeypatch, tmp_dir)
+    monkeypatch.setenv(ENV, str(script))
+
+
+def install_tree_log(monkeypatch, tmp_dir: Path) -> Path:
+    """Make every vLLM process log a digest of each tree it builds; returns the dir."""
+    log_dir = tmp_dir / "tree-log"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _install_plugin(monkeypatch, tmp_dir)
+    monkeypatch.setenv(TREE_LOG_ENV, str(log_dir))
+    return log_dir
+
+
+def _install_plugin(monkeypatch, tmp_dir: Path) -> None:
     dist = tmp_dir / "ddtree_scripted_drafter-0.0.dist-info"
     dist.mkdir(exist_ok=True)
     (dist / "METADATA").write_text(
@@ -101,11 +116,12 @@ def install(
     monkeypatch.setenv("PYTHONPATH", path)
     # Spawned children take the parent's sys.path, not PYTHONPATH.
     monkeypatch.syspath_prepend(str(tmp_dir))
-    monkeypatch.setenv(ENV, str(script))
 
 
 def plugin() -> None:
-    """vLLM plugin entry point: patch the proposer when a script is given."""
+    """vLLM plugin entry point: patch the proposer when asked to."""
+    if os.environ.get(TREE_LOG_ENV):
+        _log_trees(Path(os.environ[TREE_LOG_ENV]))
     script_path = os.environ.get(ENV)
     if not script_path:
         return
@@ -135,3 +151,19 @@ def plugin() -> None:
         return logprobs.argmax(dim=-1), None
 
     DDTreeProposer._sample_draft_tokens = _sample_draft_tokens
+
+
+def _log_trees(log_dir: Path) -> None:
+    """After each drafting pass, append a digest of the trees to a per-process file."""
+    original = DDTreeProposer.propose
+
+    def propose(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        tree = self.last_tree
+        if tree is not None:
+            digest = [tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()]
+            with open(log_dir / f"{os.getpid()}.jsonl", "a") as f:
+                f.write(json.dumps(digest) + "\n")
+        return result
+
+    DDTreeProposer.propose = propose

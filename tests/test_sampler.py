@@ -1,0 +1,184 @@
+"""Unit tests of the tree sampler's pieces (vllm_ddtree/sampler.py), on CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from vllm_ddtree.sampler import (
+    TreeVerifyStep,
+    chain_trees,
+    narrow_tree,
+    sample_node_tokens,
+    select_trees,
+    step_rows,
+)
+from vllm_ddtree.tree import build_ddtree
+from vllm_ddtree.verify import walk_tree
+
+
+@dataclass
+class FakeSpecMetadata:
+    """The fields of vLLM's SpecDecodeMetadata the sampler reads."""
+
+    num_draft_tokens: list[int]
+    draft_token_ids: torch.Tensor
+    cu_num_draft_tokens: torch.Tensor = field(init=False)
+    cu_num_sampled_tokens: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        n = torch.tensor(self.num_draft_tokens)
+        self.cu_num_draft_tokens = n.cumsum(0)
+        self.cu_num_sampled_tokens = (n + 1).cumsum(0)
+        self.max_spec_len = max(self.num_draft_tokens)
+
+
+@dataclass
+class FakeSampling:
+    all_greedy: bool
+    temperature: torch.Tensor
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    generators: dict = field(default_factory=dict)
+
+
+def _metadata(drafts: list[list[int]]) -> FakeSpecMetadata:
+    flat = torch.tensor([t for d in drafts for t in d], dtype=torch.int64)
+    return FakeSpecMetadata([len(d) for d in drafts], flat)
+
+
+def test_chain_trees_structure():
+    meta = _metadata([[5, 6, 7], [], [9]])
+    n = torch.tensor(meta.num_draft_tokens)
+    tree = chain_trees(meta, n, width=4)
+    assert tree.tokens.tolist() == [[0, 5, 6, 7], [0, 0, 0, 0], [0, 9, 0, 0]]
+    assert tree.valid.tolist() == [[True] * 4, [True, False, False, False],
+                                  [True, True, False, False]]
+    assert tree.depths[0].tolist() == [0, 1, 2, 3]
+    assert tree.parents[0].tolist() == [0, 0, 1, 2]
+    # Every row attends to itself; chains are lower-triangular on real nodes.
+    assert tree.ancestor_mask.diagonal(dim1=1, dim2=2).all()
+    assert tree.ancestor_mask[0].tolist() == torch.tril(torch.ones(4, 4)).bool().tolist()
+    # A chain walk with the drafts as target tokens accepts them all.
+    target = torch.tensor([[5, 6, 7, 8], [3, 0, 0, 0], [9, 4, 0, 0]])
+    walk = walk_tree(tree, target, max_depth=3)
+    assert walk.num_accepted.tolist() == [3, 0, 1]
+    assert walk.output_tokens.tolist() == [[5, 6, 7, 8], [3, -1, -1, -1], [9, 4, -1, -1]]
+
+
+def _drafted_trees(num_reqs: int, budget: int, depth: int = 3, vocab: int = 12):
+    g = torch.Generator().manual_seed(0)
+    logprobs = torch.randn(num_reqs, depth, vocab, generator=g).log_softmax(-1)
+    return build_ddtree(logprobs, torch.arange(num_reqs), budget, topk_cap=3)
+
+
+def test_select_trees_prefix_mismatch_and_padding():
+    drafted = _drafted_trees(3, budget=6)
+    nodes = drafted.tokens[:, 1:].tolist()
+    # Request 0: all nodes; request 1: a 3-node prefix (still a tree);
+    # request 2: drafts that differ from its tree -> verified as a chain.
+    sent = [nodes[0], nodes[1][:3], [t + 1 for t in nodes[2]]]
+    meta = _metadata(sent)
+    n = torch.tensor(meta.num_draft_tokens)
+    chains = chain_trees(meta, n, width=7)
+    tree = select_trees(drafted, [0, 1, 2], chains, n)
+    assert torch.equal(tree.parents[0], drafted.parents[0])
+    assert torch.equal(tree.depths[1, :4], drafted.depths[1, :4])
+    assert tree.valid[1].tolist() == [True] * 4 + [False] * 3
+    assert torch.equal(tree.parents[2], chains.parents[2])
+    assert torch.equal(tree.tokens[2], chains.tokens[2])
+    assert tree.ancestor_mask.diagonal(dim1=1, dim2=2).all()
+    # Unknown requests (-1) get their chain.
+    tree = select_trees(drafted, [-1, 1, 2], chains, n)
+    assert torch.equal(tree.parents[0], chains.parents[0])
+
+
+def test_select_trees_keeps_padding_nodes_self_attending():
+    # Top-1 per depth, depth 3: only 3 nodes fit a budget of 6 -> padding.
+    g = torch.Generator().manual_seed(1)
+    logprobs = torch.randn(1, 3, 8, generator=g).log_softmax(-1)
+    drafted = build_ddtree(logprobs, torch.tensor([0]), 6, topk_cap=1)
+    assert drafted.num_nodes.tolist() == [3]
+    meta = _metadata([drafted.tokens[0, 1:].tolist()])
+    n = torch.tensor(meta.num_draft_tokens)
+    tree = select_trees(drafted, [0], chain_trees(meta, n, 7), n)
+    assert tree.valid[0].tolist() == [True] * 4 + [False] * 3
+    assert tree.ancestor_mask[0].diagonal().all()
+    # Padding rows see only the root besides themselves.
+    assert tree.ancestor_mask[0, 5].nonzero().flatten().tolist() == [0, 5]
+
+
+def test_step_rows_clamp_absent_nodes():
+    cu = torch.tensor([4, 5, 8])
+    n = torch.tensor([3, 0, 2])
+    rows = step_rows(cu, n, width=4)
+    assert rows.tolist() == [[0, 1, 2, 3], [4, 4, 4, 4], [5, 6, 7, 7]]
+
+
+def test_narrow_tree_cuts_unscheduled_nodes():
+    drafted = _drafted_trees(2, budget=6)
+    tree = narrow_tree(drafted, 4, torch.tensor([3, 1]))
+    assert tree.tokens.shape == (2, 4)
+    assert tree.valid.tolist() == [[True] * 4, [True, True, False, False]]
+    assert tree.num_nodes.tolist() == [3, 1]
+
+
+def test_greedy_node_tokens_are_argmax():
+    logits = torch.randn(7, 10)
+    rows = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 6]])
+    sampling = FakeSampling(all_greedy=True, temperature=torch.zeros(2))
+    tokens = sample_node_tokens(logits, rows, sampling)
+    assert torch.equal(tokens, logits.argmax(-1)[rows])
+
+
+def test_seeded_sampling_is_reproducible_and_follows_top_k():
+    logits = torch.randn(6, 50)
+    rows = torch.tensor([[0, 1, 2], [3, 4, 5]])
+
+    def draw(seed):
+        gen = torch.Generator().manual_seed(seed)
+        sampling = FakeSampling(all_greedy=False, temperature=torch.tensor([0.0, 1.0]),
+                                top_k=torch.tensor([50, 2]), generators={1: gen})
+        return sample_node_tokens(logits, rows, sampling)
+
+    a, b, c = draw(3), draw(3), draw(4)
+    assert torch.equal(a, b)
+    # Request 0 is greedy inside a random batch.
+    assert torch.equal(a[0], logits.argmax(-1)[rows[0]])
+    # Request 1 samples within its top-2 tokens.
+    top2 = logits[rows[1]].topk(2, dim=-1).indices
+    assert all(a[1, i] in top2[i] and c[1, i] in top2[i] for i in range(3))
+
+
+def test_tree_verify_step_is_a_plain_record():
+    drafted = _drafted_trees(1, budget=2)
+    step = TreeVerifyStep(tree=drafted, num_scheduled=torch.tensor([2]),
+                          row_start=torch.tensor([0]), max_depth=3)
+    assert step.walk is None
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8])
+def test_walk_on_selected_tree_matches_python_walk(budget):
+    drafted = _drafted_trees(2, budget=budget)
+    meta = _metadata(drafted.tokens[:, 1:].tolist())
+    n = torch.tensor(meta.num_draft_tokens)
+    tree = select_trees(drafted, [0, 1], chain_trees(meta, n, budget + 1), n)
+    # Target follows the first child everywhere: the walk goes to the leaf.
+    target = torch.zeros_like(tree.tokens)
+    for r in range(2):
+        for i in range(budget + 1):
+            kids = [j for j in range(1, budget + 1)
+                    if tree.valid[r, j] and tree.parents[r, j] == i]
+            target[r, i] = tree.tokens[r, kids[0]] if kids else 999
+    walk = walk_tree(tree, target, max_depth=3)
+    for r in range(2):
+        node, depth = 0, 0
+        while True:
+            kids = [j for j in range(1, budget + 1)
+                    if tree.valid[r, j] and tree.parents[r, j] == node]
+            if not kids:
+                break
+            node, depth = kids[0], depth + 1
+        assert walk.num_accepted[r] == depth
