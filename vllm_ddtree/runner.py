@@ -93,13 +93,9 @@ def begin_verify_step(
         index = [state.tree_rows.get(rid, -1) for rid in runner.input_batch.req_ids]
         tree = select_trees(drafted, index, chains, num_scheduled)
 
-    # Siblings share a position: node i of a request sits at start + depth_i.
-    offsets = torch.arange(width, device=device)
-    rows = row_start[:, None] + offsets[None, :]
-    present = offsets[None, :] <= num_scheduled[:, None]
-    root_pos = runner.positions[row_start]
-    depth_pos = root_pos[:, None] + tree.depths
-    runner.positions[rows[present]] = depth_pos[present]
+    # Siblings share a position: node i of a request sits at start + depth_i
+    # (its KV slot stays start + i, from vLLM's slot mapping).
+    _offset_positions(runner, row_start, num_scheduled, tree.depths)
 
     state.step = TreeVerifyStep(
         tree=tree,
@@ -141,12 +137,8 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
         t.index_copy_(0, dst_rows, t.index_select(0, src_rows))
 
     # 3. Positions back to chain order: row start + i sits at root + i.
-    width = step.tree.tokens.shape[1]
-    offsets = torch.arange(width, device=step.row_start.device)
-    rows = step.row_start[:, None] + offsets[None, :]
-    present = offsets[None, :] <= step.num_scheduled[:, None]
-    root_pos = runner.positions[step.row_start]
-    runner.positions[rows[present]] = (root_pos[:, None] + offsets[None, :])[present]
+    chain = torch.arange(step.tree.tokens.shape[1], device=step.row_start.device)
+    _offset_positions(runner, step.row_start, step.num_scheduled, chain.expand_as(step.tree.depths))
 
 
 def record_drafted_trees(runner: GPUModelRunner) -> None:
@@ -156,6 +148,20 @@ def record_drafted_trees(runner: GPUModelRunner) -> None:
         state.tree_rows = {}
         return
     state.tree_rows = {rid: i for i, rid in enumerate(runner.input_batch.req_ids)}
+
+
+def _offset_positions(
+    runner: GPUModelRunner,
+    row_start: torch.Tensor,  # [num_reqs] flat row of each root
+    num_scheduled: torch.Tensor,  # [num_reqs] tree nodes sent per request
+    offsets: torch.Tensor,  # [num_reqs, width] position offset of each node
+) -> None:
+    """positions[root row + i] = root position + offsets[:, i] for sent nodes."""
+    node = torch.arange(offsets.shape[1], device=row_start.device)
+    rows = row_start[:, None] + node[None, :]
+    present = node[None, :] <= num_scheduled[:, None]
+    root_pos = runner.positions[row_start]
+    runner.positions[rows[present]] = (root_pos[:, None] + offsets)[present]
 
 
 def _target_kv_layers(runner: GPUModelRunner):
