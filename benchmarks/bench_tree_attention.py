@@ -17,6 +17,7 @@ Prints a table and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import lzma
@@ -30,16 +31,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_ddtree.attention.reference import pack_tree_mask  # noqa: E402
+from vllm_ddtree.attention.reference import pack_tree_mask
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=ints, default=[1024, 4096, 16384, 32768])
-    p.add_argument("--batches", type=ints, default=[1, 8, 32, 64])
-    p.add_argument("--budgets", type=ints, default=[16, 64, 256])
-    p.add_argument("--heads", type=ints, default=[32, 8], help="query,kv heads")
+    p.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384, 32768])
+    p.add_argument("--batches", type=int_list, default=[1, 8, 32, 64])
+    p.add_argument("--budgets", type=int_list, default=[16, 64, 256])
+    p.add_argument("--heads", type=int_list, default=[32, 8], help="query,kv heads")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-depth", type=int, default=15)
@@ -109,7 +113,7 @@ class Case:
     """Paged cache for `batch` requests of up to `context + max_n` tokens."""
 
     def __init__(self, context: int, batch: int, max_n: int, args, dtype=torch.bfloat16):
-        num_heads, num_kv_heads = args.heads
+        num_kv_heads = args.heads[1]
         page = args.page_size
         dev = "cuda"
         self.context, self.batch, self.args = context, batch, args
@@ -162,11 +166,14 @@ def run_case(case: Case, budget: int, fa3, args, results: list[dict]) -> None:
             packed, case.scale, max_query_len=n, max_seq_len=seq, out=out,
         )
 
-    row = dict(context=case.context, batch=case.batch, budget=budget, queries=n)
+    row = {"context": case.context, "batch": case.batch, "budget": budget, "queries": n}
     row["tree_ms"] = bench(tree, args.rep_ms)
-    cfg = pick_tile_config(args.head_dim, num_heads // num_kv_heads, q.dtype, n)
-    tiles = -(-n // (cfg.block_m // (num_heads // num_kv_heads)))
-    row["splits"] = choose_num_splits(case.batch * num_kv_heads * tiles, seq, torch.cuda.get_device_properties(0).multi_processor_count)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    group = num_heads // num_kv_heads
+    cfg = pick_tile_config(args.head_dim, group, q.dtype, n, case.batch * num_kv_heads, num_sms)
+    tiles = -(-n // (cfg.block_m // group))
+    row["splits"] = choose_num_splits(case.batch * num_kv_heads * tiles, seq, num_sms)
+    row["config"] = list(cfg.__dict__.values())
     # Useful work: QK^T and PV over prefix + causal half of the tree, for every head.
     flops = 4 * case.batch * n * num_heads * args.head_dim * (case.context + (n + 1) / 2)
     kv_bytes = 2 * case.batch * seq * num_kv_heads * args.head_dim * q.element_size()
@@ -201,7 +208,7 @@ def time_sdpa(q, k, v, scale: float, rep_ms: int) -> tuple[float | None, str]:
 
     errors = []
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-        def dense():
+        def dense(backend=backend):
             with sdpa_kernel(backend):
                 sdpa(q, k, v, scale=scale, enable_gqa=True)
 
@@ -217,7 +224,9 @@ HEADER = f"{'ctx':>6} {'batch':>5} {'B':>4} {'splits':>6} {'tree ms':>9} {'fa3 m
 
 
 def format_row(r: dict) -> str:
-    f = lambda key, spec: format(r[key], spec) if key in r else "-"  # noqa: E731
+    def f(key: str, spec: str) -> str:
+        return format(r[key], spec) if key in r else "-"
+
     return (
         f"{r['context']:>6} {r['batch']:>5} {r['budget']:>4} {r['splits']:>6} "
         f"{f('tree_ms', '9.4f'):>9} {f('fa3_ms', '9.4f'):>9} {f('sdpa_ms', '9.4f'):>9} "
@@ -226,7 +235,10 @@ def format_row(r: dict) -> str:
     )
 
 
-SWEEP_SHAPES = [(32768, 1, 256), (8192, 32, 64), (32768, 1, 16)]  # (context, batch, budget)
+SWEEP_SHAPES = [  # (context, batch, budget)
+    (32768, 1, 16), (32768, 8, 16), (32768, 64, 16), (32768, 8, 64),
+    (8192, 32, 64), (4096, 64, 256), (1024, 8, 256),
+]
 
 
 def sweep(args, fa3) -> list[dict]:
@@ -234,8 +246,8 @@ def sweep(args, fa3) -> list[dict]:
     from vllm_ddtree.attention.triton_tree import TileConfig, tree_attention_triton
 
     configs = [TileConfig(*c) for c in [
-        (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3),
-        (64, 64, 4, 3), (64, 128, 4, 2),
+        (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
+        (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 4),
     ]]
     rows = []
     started = time.time()
@@ -249,13 +261,11 @@ def sweep(args, fa3) -> list[dict]:
         ref = None
         for cfg in configs:
             out = torch.empty_like(q)
-
-            def tree():
-                tree_attention_triton(
-                    q, case.key_cache, case.value_cache, case.block_table, seq_lens, cu_q,
-                    packed, case.scale, max_query_len=n, max_seq_len=seq, out=out, config=cfg,
-                )
-
+            tree = functools.partial(
+                tree_attention_triton, q, case.key_cache, case.value_cache,
+                case.block_table, seq_lens, cu_q, packed, case.scale,
+                max_query_len=n, max_seq_len=seq, out=out, config=cfg,
+            )
             try:
                 tree()
                 ms = bench(tree, args.rep_ms)
@@ -264,7 +274,10 @@ def sweep(args, fa3) -> list[dict]:
                 continue
             ref = out.clone() if ref is None else ref
             err = (out.float() - ref.float()).abs().max().item()
-            row = dict(context=context, batch=batch, budget=budget, config=list(cfg.__dict__.values()), ms=ms, max_diff_vs_first=err)
+            row = {
+                "context": context, "batch": batch, "budget": budget,
+                "config": list(cfg.__dict__.values()), "ms": ms, "max_diff_vs_first": err,
+            }
             rows.append(row)
             print(f"sweep ctx={context} batch={batch} B={budget} {cfg}: {ms:.4f} ms (diff {err:.1e})", flush=True)
         del case
@@ -304,12 +317,13 @@ def main(argv: list[str] | None = None) -> None:
 def save(args, fa3, results: list[dict], sweep_rows: list[dict]) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(
-            device=torch.cuda.get_device_name(), torch=torch.__version__,
-            heads=args.heads, head_dim=args.head_dim, page_size=args.page_size,
-            dtype="bfloat16", fa3=fa3 is not None, timing="median CUDA-graph replay (ms)",
-            results=results, sweep=sweep_rows,
-        ), f, indent=1)
+        json.dump({
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "heads": args.heads, "head_dim": args.head_dim, "page_size": args.page_size,
+            "dtype": "bfloat16", "fa3": fa3 is not None,
+            "timing": "median CUDA-graph replay (ms)",
+            "results": results, "sweep": sweep_rows,
+        }, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ step (batch tokens, no tree) is timed too for scale.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -28,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_ddtree.compaction import move_slots, plan_compaction, plan_slots  # noqa: E402
-from vllm_ddtree.tree import build_ddtree  # noqa: E402
-from vllm_ddtree.verify import walk_tree  # noqa: E402
+from vllm_ddtree.compaction import move_slots, plan_compaction, plan_slots
+from vllm_ddtree.tree import build_ddtree
+from vllm_ddtree.verify import walk_tree
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 4096, 12288, 32, 8, 128, 151936, 36
 DEVICE = "cuda"  # --cpu-dry-run switches to "cpu" (logic check only, with TRITON_INTERPRET=1)
@@ -41,11 +42,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", type=ints, default=[1, 32])
-    p.add_argument("--budgets", type=ints, default=[16, 64, 256])
+    p.add_argument("--batches", type=int_list, default=[1, 32])
+    p.add_argument("--budgets", type=int_list, default=[16, 64, 256])
     p.add_argument("--max-depth", type=int, default=15, help="DFlash block size - 1")
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--layers", type=int, default=LAYERS)
@@ -110,7 +114,8 @@ class TreeOps:
         # Target tokens that follow the tree 80% of the time, so walks go deep.
         tree = build_ddtree(self.logprobs, self.roots, budget)
         child_tok = torch.zeros(batch, n + 1, dtype=torch.int64, device=dev)
-        child_tok.scatter_(1, torch.where(tree.valid, tree.parents, n), tree.tokens)
+        is_child = tree.valid & (torch.arange(n, device=dev) > 0)  # the root is no child
+        child_tok.scatter_(1, torch.where(is_child, tree.parents, n), tree.tokens)
         noise = torch.randint(0, args.vocab, (batch, n), device=dev, generator=gen)
         keep = torch.rand(batch, n, device=dev, generator=gen) < 0.8
         self.target = torch.where(keep, child_tok[:, :n], noise)
@@ -139,6 +144,10 @@ class TreeOps:
             src, dst = plan_slots(self.slot_mapping, plan)
             for cache in self.caches[2 * layer : 2 * layer + 2]:
                 move_slots(cache.view(-1, KV_HEADS, HEAD_DIM), src, dst)
+
+    def move_all(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for cache in self.caches:
+            move_slots(cache.view(-1, KV_HEADS, HEAD_DIM), src, dst)
 
     def step(self) -> None:
         tree = self.build()
@@ -208,63 +217,77 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device {name}  torch {torch.__version__}  "
           f"depth {args.max_depth}  vocab {args.vocab}  layers {args.layers}  context {args.context}")
     rows = []
-    decode_ms = {}
     for batch in args.batches:
-        model = Qwen3Step(batch, 1, args)
-        decode_ms[batch] = graph_ms(model, 5)
-        del model
+        decode_ms = graph_ms(Qwen3Step(batch, 1, args), 5)
         torch.cuda.empty_cache()
         for budget in args.budgets:
-            ops = TreeOps(batch, budget, args)
-            tree = ops.build()
-            walk = ops.walk(tree)
-            row = dict(batch=batch, budget=budget, queries=batch * (budget + 1))
-            row["build_eager_ms"] = wall_ms(ops.build, args.iters)
-            row["walk_eager_ms"] = wall_ms(lambda: ops.walk(tree), args.iters)
-            row["compact_eager_ms"] = wall_ms(lambda: ops.compact(walk), args.iters)
-            row["ops_eager_ms"] = wall_ms(ops.step, args.iters)
-            row["ops_graph_ms"] = graph_ms(ops.step, args.iters)
-            row["mean_accepted"] = float(walk.num_accepted.float().mean())
-            del ops, tree, walk
-            torch.cuda.empty_cache()
-            model = Qwen3Step(batch, budget + 1, args)
-            row["verify_step_ms"] = graph_ms(model, 5)
-            row["decode_step_ms"] = decode_ms[batch]
-            del model
+            row = measure_ops(batch, budget, args)
+            row["verify_step_ms"] = graph_ms(Qwen3Step(batch, budget + 1, args), 5)
+            row["decode_step_ms"] = decode_ms
             torch.cuda.empty_cache()
             row["eager_pct"] = 100 * row["ops_eager_ms"] / row["verify_step_ms"]
             row["graph_pct"] = 100 * row["ops_graph_ms"] / row["verify_step_ms"]
             rows.append(row)
             print(format_row(row), flush=True)
+            save(args, name, rows)
     print("\n== DDTree tree ops per step vs a Qwen3-8B-shaped verify step, H200 ==")
     print(HEADER)
     for row in rows:
         print(format_row(row))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(
-            device=name, torch=torch.__version__,
-            max_depth=args.max_depth, vocab=args.vocab, layers=args.layers,
-            context=args.context, page_size=args.page_size,
-            note="ops = build_ddtree + walk_tree + plan_compaction + per-layer plan_slots/"
-                 "move_slots (K and V); step = Qwen3-8B-shaped GEMMs + tree attention, graph",
-            results=rows,
-        ), f, indent=1)
     print(f"wrote {args.out}")
 
 
+def measure_ops(batch: int, budget: int, args) -> dict:
+    """Eager breakdown, eager total and graph replay of one DDTree step's tree ops."""
+    ops = TreeOps(batch, budget, args)
+    tree = ops.build()
+    walk = ops.walk(tree)
+    row = {"batch": batch, "budget": budget, "queries": batch * (budget + 1)}
+    row["build_eager_ms"] = wall_ms(ops.build, args.iters)
+    row["walk_eager_ms"] = wall_ms(functools.partial(ops.walk, tree), args.iters)
+    row["compact_eager_ms"] = wall_ms(functools.partial(ops.compact, walk), args.iters)
+    row["ops_eager_ms"] = wall_ms(ops.step, args.iters)
+    row["ops_graph_ms"] = graph_ms(ops.step, args.iters)
+    row["build_graph_ms"] = graph_ms(ops.build, args.iters)
+    row["walk_graph_ms"] = graph_ms(functools.partial(ops.walk, tree), args.iters)
+    row["compact_graph_ms"] = graph_ms(functools.partial(ops.compact, walk), args.iters)
+    # Moves alone (one plan, reused by every layer): what compaction costs at best
+    # without fusing the per-layer launches.
+    src, dst = plan_slots(ops.slot_mapping, plan_compaction(walk, ops.query_start_loc))
+    row["moves_graph_ms"] = graph_ms(functools.partial(ops.move_all, src, dst), args.iters)
+    row["mean_accepted"] = float(walk.num_accepted.float().mean())
+    return row
+
+
+def save(args, device_name: str, rows: list[dict]) -> None:
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({
+            "device": device_name, "torch": torch.__version__,
+            "max_depth": args.max_depth, "vocab": args.vocab, "layers": args.layers,
+            "context": args.context, "page_size": args.page_size,
+            "note": "ops = build_ddtree + walk_tree + plan_compaction + per-layer "
+                    "plan_slots/move_slots (K and V); step = Qwen3-8B-shaped GEMMs + "
+                    "tree attention, CUDA graph",
+            "results": rows,
+        }, f, indent=1)
+
 HEADER = (
-    f"{'batch':>5} {'B':>4} {'build':>7} {'walk':>6} {'compact':>7} {'ops eager':>9} "
-    f"{'ops graph':>9} {'verify step':>11} {'decode step':>11} {'eager %':>7} {'graph %':>7}"
+    f"{'':>10} {'---------- eager ms ----------':>30} {'---------- graph ms ----------':>30}"
+    f" {'- step ms (graph) -':>19} {'ops/verify %':>13}\n"
+    f"{'batch':>5} {'B':>4} {'build':>7} {'walk':>6} {'compact':>7} {'total':>7} "
+    f"{'build':>7} {'walk':>6} {'compact':>7} {'total':>7} {'verify':>9} {'decode':>9} "
+    f"{'eager':>6} {'graph':>6}"
 )
 
 
 def format_row(r: dict) -> str:
     return (
         f"{r['batch']:>5} {r['budget']:>4} {r['build_eager_ms']:>7.3f} {r['walk_eager_ms']:>6.3f} "
-        f"{r['compact_eager_ms']:>7.3f} {r['ops_eager_ms']:>9.3f} {r['ops_graph_ms']:>9.3f} "
-        f"{r['verify_step_ms']:>11.3f} {r['decode_step_ms']:>11.3f} {r['eager_pct']:>7.1f} "
-        f"{r['graph_pct']:>7.1f}"
+        f"{r['compact_eager_ms']:>7.3f} {r['ops_eager_ms']:>7.3f} {r['build_graph_ms']:>7.3f} "
+        f"{r['walk_graph_ms']:>6.3f} {r['compact_graph_ms']:>7.3f} {r['ops_graph_ms']:>7.3f} "
+        f"{r['verify_step_ms']:>9.3f} {r['decode_step_ms']:>9.3f} {r['eager_pct']:>6.1f} "
+        f"{r['graph_pct']:>6.1f}"
     )
 
 

@@ -202,6 +202,16 @@ def test_budgets_match_reference(budget: int):
     check_against_reference(batch, pack_tree_mask(mask) if budget % 2 else mask)
 
 
+def test_many_requests():
+    # A grid big enough to skip split-KV: the default 128-row tiles, mixed widths.
+    rng = random.Random(9)
+    budgets = [rng.choice([0, 1, 5, 16, 31, 40]) for _ in range(40)]
+    trees = random_trees(budgets, seed=9)
+    prefixes = [rng.randrange(0, 700) for _ in budgets]
+    batch = make_batch([len(t) for t in trees], prefixes, (32, 8), 128, BF16, seed=9)
+    check_against_reference(batch, pack_tree_mask(padded_tree_mask(trees, 41, 9)))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
 def test_dtypes_and_head_dims(dtype: torch.dtype, head_dim: int):
@@ -298,7 +308,7 @@ def test_cuda_graph_capture_without_host_sync():
     trees = random_trees(budgets, seed=21)
     batch = make_batch([17, 64], [3000, 19], (8, 2), 128, BF16, seed=21)
     mask = pack_tree_mask(padded_tree_mask(trees, 64, 21))
-    bounds = dict(max_query_len=64, max_seq_len=3017)
+    bounds = {"max_query_len": 64, "max_seq_len": 3017}
     out = torch.full_like(batch.query, float("nan"))
 
     def call() -> None:

@@ -14,7 +14,7 @@ Kernel design (one program per query tile x KV head x KV split):
   partial tile is bounded. Keys ``[prefix, seq_len)`` are the tree: a tile reads the
   mask words of its rows, and a tile no row can see (the upper triangle of a tree whose
   parents precede their children) is skipped before any K/V load.
-- Online softmax in float32 with ``exp2`` (the scale is folded into ``qk_scale``).
+- Online softmax in float32 with ``exp2``; scale * log2(e) rides in the exp2's FFMA.
 - Split-KV (flash-decoding): when requests x KV heads x query tiles cannot fill the SMs
   (batch 1, long prefix), each request's prefix is cut into ``num_splits`` chunks and its
   tree tiles are dealt round-robin; every split writes ``(o / l, m + log2 l)`` in float32
@@ -25,7 +25,6 @@ Kernel design (one program per query tile x KV head x KV split):
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -35,7 +34,13 @@ import triton.language as tl
 
 from vllm_ddtree.attention.reference import BITS_PER_WORD, pack_tree_mask
 
-__all__ = ["TileConfig", "pick_tile_config", "tree_attention_triton"]
+__all__ = [
+    "TileConfig",
+    "choose_num_splits",
+    "merge_splits",
+    "pick_tile_config",
+    "tree_attention_triton",
+]
 
 LOG2_E = 1.4426950408889634
 MIN_SPLIT_KEYS = 256  # a KV split shorter than this costs more to merge than it saves
@@ -78,6 +83,8 @@ def tree_attention_triton(
     num_reqs = _check_inputs(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out
     )
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     mask = _packed_mask(tree_mask, num_reqs)
@@ -96,14 +103,17 @@ def tree_attention_triton(
         return out.zero_()
 
     group = num_heads // num_kv_heads
-    config = config or pick_tile_config(head_dim, group, query.dtype, max_query_len)
+    num_sms = _num_sms(query.device)
+    config = config or pick_tile_config(
+        head_dim, group, query.dtype, max_query_len, num_reqs * num_kv_heads, num_sms
+    )
     tokens_per_tile = config.block_m // group
     num_q_tiles = max(1, triton.cdiv(max_query_len, tokens_per_tile))
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         programs = num_reqs * num_kv_heads * num_q_tiles
-        num_splits = choose_num_splits(programs, max_seq_len, _num_sms(query.device))
+        num_splits = choose_num_splits(programs, max_seq_len, num_sms)
     if num_splits > 1:
         part_out = torch.empty(
             num_splits, num_tokens, num_heads, head_dim,
@@ -170,22 +180,39 @@ def merge_splits(
 
 
 def pick_tile_config(
-    head_dim: int, group: int, dtype: torch.dtype, max_query_len: int
+    head_dim: int,
+    group: int,
+    dtype: torch.dtype,
+    max_query_len: int,
+    num_pairs: int = 1 << 20,
+    num_sms: int = 132,
 ) -> TileConfig:
-    """Tiles for Hopper that compile without register spills in 16-bit: 128 rows x 64
-    keys up to head_dim 128, 64 x 32 at head_dim 256; fewer rows when the verify width
-    is small (decode-like rows), and small tiles in float32 (3-pass tf32 dots)."""
+    """Tiles for Hopper, picked from an H200 sweep (benchmarks/README.md);
+    ``num_pairs`` = requests x KV heads.
+
+    16-bit, head_dim 128: 128 query rows x 128 keys, 3 stages (fastest on every swept
+    shape but one); 64 x 64 with 4 warps when a KV head has <= 128 query rows and at
+    most a quarter of the SMs would get one (batch-1 short trees: more, lighter CTAs
+    hide latency better); fewer
+    rows when a KV head has fewer than 128 query rows (decode-like rows). Head_dim 64:
+    128 x 64 (128 keys spill). Head_dim 256: 64 x 32. Float32 (3-pass tf32): small.
+    """
     head_dim_pad = triton.next_power_of_2(head_dim)
-    rows = triton.next_power_of_2(max(1, max_query_len * group))
+    rows = max(1, max_query_len * group)
+    rows_pow2 = triton.next_power_of_2(rows)
     min_rows = max(16, triton.next_power_of_2(group))  # at least one token per tile
     if dtype == torch.float32:
-        block_m = max(min_rows, min(64, rows))
+        block_m = max(min_rows, min(64, rows_pow2))
         return TileConfig(block_m, 32 if head_dim_pad <= 64 else 16, 4, 1)
-    if head_dim_pad <= 128:
-        block_m = max(min_rows, min(128, rows))
-        return TileConfig(block_m, 64, 8 if block_m >= 128 else 4, 3)
-    block_m = max(min_rows, min(64, rows))
-    return TileConfig(block_m, 32, 8 if block_m >= 64 else 4, 2)
+    if head_dim_pad > 128:
+        block_m = max(min_rows, min(64, rows_pow2))
+        return TileConfig(block_m, 32, 8 if block_m >= 64 else 4, 2)
+    if rows <= 128 and num_pairs <= num_sms // 4:
+        return TileConfig(max(min_rows, min(64, rows_pow2)), 64, 4, 3)
+    block_m = max(min_rows, min(128, rows_pow2))
+    if block_m < 128:
+        return TileConfig(block_m, 64, 4, 3)
+    return TileConfig(block_m, 128 if head_dim_pad == 128 else 64, 8, 3)
 
 
 def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
@@ -523,14 +550,15 @@ def _attend_tile(
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
 
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if USE_VISIBLE:
         s = tl.where(visible, s, float("-inf"))
     elif MASK_KEYS:
         s = tl.where(key_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # The scale rides in the exp2's FFMA; qk_scale > 0 keeps the row max the max.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
