@@ -122,13 +122,16 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
     plan = plan_compaction(step.walk, starts)
     src_rows, dst_rows = plan.hidden_rows.flatten(), plan.dst_rows.flatten()
 
-    # 1. KV of every target attention layer: node slots -> chain slots.
+    # 1. KV of every target attention layer: node slots -> chain slots. Layers
+    #    of one KV-cache group share a slot mapping, so plan once per mapping.
+    planned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for layer_name, kv_cache, backend in _target_kv_layers(runner):
         slot_mapping = _layer_slot_mapping(model_state.slot_mappings, layer_name)
         if slot_mapping is None:
             continue
-        src_slots, dst_slots = plan_slots(slot_mapping, plan)
-        backend.move_kv_slots(kv_cache, src_slots, dst_slots)
+        if id(slot_mapping) not in planned:
+            planned[id(slot_mapping)] = plan_slots(slot_mapping, plan)
+        backend.move_kv_slots(kv_cache, *planned[id(slot_mapping)])
 
     # 2. Rows the drafter reads as context: hidden states and token ids.
     tensors = [model_state.hidden_states, runner.input_ids.gpu]
