@@ -25,8 +25,13 @@ def apply_all() -> None:
     _patch_create_speculative_config()
     # 2. Reserve KV slots for the drafter's block, which may exceed the budget.
     _patch_num_lookahead_tokens()
-    # 3-7. Model runner: proposer and sampler, tree inputs, tree attention
-    #      metadata, compaction after the walk, tree ownership after drafting.
+    # 3. Requests may use min_p and logit_bias: the tree sampler applies every
+    #    logits processor at every node (vLLM's chain sampler cannot).
+    _patch_sampling_params_validation()
+    # 4. ...so the runner builds all of vLLM's logits processors for DDTree.
+    _patch_build_logitsprocs()
+    # 5-10. Model runner: proposer and sampler, tree inputs, tree attention
+    #       metadata, compaction after the walk, tree ownership after drafting.
     _patch_model_runner()
 
 
@@ -100,6 +105,38 @@ def _patch_num_lookahead_tokens() -> None:
         return max(ddtree.budget, ddtree.max_depth) + 1
 
     VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)
+
+
+def _patch_sampling_params_validation() -> None:
+    from vllm.sampling_params import SamplingParams
+
+    orig = _orig["SamplingParams._validate_spec_decode"] = SamplingParams._validate_spec_decode
+
+    def _validate_spec_decode(self, speculative_config) -> None:
+        if getattr(speculative_config, "ddtree", None) is not None:
+            return
+        orig(self, speculative_config)
+
+    SamplingParams._validate_spec_decode = _validate_spec_decode
+
+
+def _patch_build_logitsprocs() -> None:
+    import copy
+
+    from vllm.v1.worker import gpu_model_runner
+
+    orig = _orig["build_logitsprocs"] = gpu_model_runner.build_logitsprocs
+
+    def build_logitsprocs(vllm_config, *args, **kwargs):
+        if getattr(vllm_config.speculative_config, "ddtree", None) is None:
+            return orig(vllm_config, *args, **kwargs)
+        # vLLM builds only min-tokens under speculative decoding; DDTree takes
+        # the non-speculative set (min-p, logit bias, min-tokens, custom).
+        view = copy.copy(vllm_config)
+        object.__setattr__(view, "speculative_config", None)
+        return orig(view, *args, **kwargs)
+
+    gpu_model_runner.build_logitsprocs = build_logitsprocs
 
 
 def _patch_model_runner() -> None:

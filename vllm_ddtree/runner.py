@@ -85,12 +85,16 @@ def begin_verify_step(
     row_start = query_end - num_scheduled - 1
 
     # Trees come from the drafter; any request without one (or whose drafts
-    # were changed on the way) is verified as the chain it was sent as.
+    # were changed on the way, or that is grammar-constrained) is verified as
+    # the chain it was sent as.
     chains = chain_trees(spec_decode_metadata, num_scheduled, width)
     tree = chains
     drafted: DDTree | None = getattr(runner.drafter, "last_tree", None)
     if drafted is not None and state.tree_rows:
-        index = [state.tree_rows.get(rid, -1) for rid in runner.input_batch.req_ids]
+        index = [
+            -1 if _has_grammar(runner, rid) else state.tree_rows.get(rid, -1)
+            for rid in runner.input_batch.req_ids
+        ]
         tree = select_trees(drafted, index, chains, num_scheduled)
 
     # Siblings share a position: node i of a request sits at start + depth_i
@@ -151,6 +155,13 @@ def record_drafted_trees(runner: GPUModelRunner) -> None:
         state.tree_rows = {}
         return
     state.tree_rows = {rid: i for i, rid in enumerate(runner.input_batch.req_ids)}
+
+
+def _has_grammar(runner: GPUModelRunner, req_id: str) -> bool:
+    """Structured-output requests are verified as chains: vLLM validates and
+    masks their drafts as a chain, so a tree walk would use wrong masks."""
+    params = runner.requests[req_id].sampling_params
+    return params is not None and params.structured_outputs is not None
 
 
 def _offset_positions(

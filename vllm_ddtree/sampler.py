@@ -271,13 +271,16 @@ def process_logits(
     procs = list(sampling_metadata.logitsprocs.non_argmax_invariant)
     if not sampling_metadata.all_greedy:
         procs += list(sampling_metadata.logitsprocs.argmax_invariant)
-    if procs:
-        for col in range(width):
-            col_rows = rows[:, col]
-            block = out[col_rows]
-            for proc in procs:
-                block = proc.apply(block)
-            out[col_rows] = block
+    for col in range(width if procs else 0):
+        # Absent nodes repeat their request's last row: leave those rows as
+        # they are, so no row is processed twice.
+        col_rows = rows[:, col]
+        original = out[col_rows]
+        block = original.clone()
+        for proc in procs:
+            block = proc.apply(block)
+        present = (col <= step.num_scheduled)[:, None]
+        out[col_rows] = torch.where(present, block, original)
     return out
 
 
@@ -338,13 +341,14 @@ def _apply_tree_penalties(
     num_rows = logits.shape[0]
     histories: list[list[int]] = [[] for _ in range(num_rows)]
     flat_rows = rows.tolist()
+    num_scheduled = step.num_scheduled.tolist()
     for r in range(num_reqs):
         base = sampling_metadata.output_token_ids[r]
         paths: list[list[int]] = [[]]
-        for i in range(1, width):
+        for i in range(1, num_scheduled[r] + 1):
             paths.append(paths[parents[r][i]] + [tokens[r][i]])
-        for i in range(width):
-            histories[flat_rows[r][i]] = base + paths[i]
+        for i, path in enumerate(paths):
+            histories[flat_rows[r][i]] = base + path
     prompt = sampling_metadata.prompt_token_ids[req_of_row]
     return apply_all_penalties(
         logits,
