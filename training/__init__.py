@@ -1,0 +1,1 @@
+"""Offline training of a DFlash drafter (see train_dflash.py)."""

@@ -1,0 +1,197 @@
+"""A deterministic offline prompt corpus for drafter training (no downloads).
+
+Sources: the Zen of Python, the docstrings of a fixed list of stdlib modules, and
+instruction-style prompts (code, math, chat, prose) generated from templates with
+a seeded RNG. The continuations come from the target model itself, so only the
+prompts need to be varied; their quality matters little.
+
+Docstrings differ between Python versions: build the file once with
+``python -m training.prompts OUT.json`` and train from that file for exact reruns.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import importlib
+import io
+import json
+import random
+import sys
+
+# Modules whose import has no side effects and whose docstring is informative.
+STDLIB_MODULES = """
+abc argparse array ast asyncio base64 bisect bz2 calendar cmath codecs collections
+colorsys concurrent.futures configparser contextlib copy csv dataclasses datetime
+decimal difflib dis email enum filecmp fnmatch fractions ftplib functools gc getopt
+gettext glob graphlib gzip hashlib heapq hmac html html.parser http http.client
+imaplib inspect io ipaddress itertools json keyword linecache locale logging lzma
+mailbox math mimetypes numbers operator optparse os pathlib pickle pkgutil platform
+plistlib poplib pprint profile pstats queue quopri random re reprlib sched secrets
+selectors shelve shlex shutil signal smtplib socket socketserver sqlite3 ssl stat
+statistics string stringprep struct subprocess symtable sysconfig tabnanny tarfile
+tempfile textwrap threading timeit token tokenize trace traceback tracemalloc types
+typing unicodedata unittest urllib.parse urllib.request uuid warnings wave weakref
+xml.dom xml.etree.ElementTree xml.sax zipapp zipfile zlib zoneinfo
+""".split()
+
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "computes the factorial of n",
+    "returns the n-th Fibonacci number", "merges two sorted lists", "counts the vowels in a string",
+    "removes duplicates from a list while keeping order", "flattens a nested list",
+    "finds the maximum element of a list without using max()", "checks if a string is a palindrome",
+    "converts Celsius to Fahrenheit", "computes the greatest common divisor of two integers",
+    "sorts a list of dictionaries by a key", "reads a CSV file and returns its rows",
+    "counts word frequencies in a text", "implements binary search", "transposes a matrix",
+    "validates an email address with a regular expression",
+    "computes the mean and median of a list",
+    "generates all permutations of a list", "implements bubble sort", "parses a date string",
+    "returns the intersection of two lists", "capitalizes every word in a sentence",
+    "computes the sum of the digits of an integer", "checks whether two strings are anagrams",
+    "implements a stack class with push and pop", "implements a queue using two stacks",
+    "finds the longest common prefix of a list of strings", "rotates a list by k positions",
+    "converts a Roman numeral to an integer", "computes the power set of a set",
+    "chunks a list into pieces of size n", "retries a function call up to three times",
+    "memoizes a recursive function", "computes the distance between two points",
+    "returns the second largest number in a list", "checks balanced parentheses in a string",
+    "converts a binary string to an integer", "writes a dictionary to a JSON file",
+]
+CODE_LANGS = ["Python", "Python", "Python", "JavaScript", "C", "Rust", "Go", "Java"]
+CODE_FORMS = [
+    "Write a {lang} function that {task}.",
+    "How do I write a {lang} function that {task}?",
+    "Show me {lang} code that {task}, with a short explanation.",
+    "Write a well-documented {lang} function that {task} and give an example call.",
+]
+SNIPPETS = [
+    "def f(xs):\n    return [x * x for x in xs if x % 2 == 0]",
+    "for i in range(10):\n    if i % 3 == 0:\n        print(i)",
+    "d = {}\nfor w in text.split():\n    d[w] = d.get(w, 0) + 1",
+    "def g(n):\n    return 1 if n <= 1 else n * g(n - 1)",
+    "with open('data.txt') as fh:\n    lines = [l.strip() for l in fh]",
+    "result = sorted(people, key=lambda p: p['age'], reverse=True)",
+    "x = [1, 2, 3]\ny = x\ny.append(4)\nprint(x)",
+    "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y",
+    "def h(s):\n    return s == s[::-1]",
+    "import os\nprint(os.listdir('.'))",
+]
+COUNTRIES = ["France", "Japan", "Brazil", "Canada", "Egypt", "India", "Italy", "Kenya",
+             "Mexico", "Norway", "Peru", "Spain", "Germany", "Australia", "Chile", "Greece"]
+ACTIVITIES = ["learning to cook", "studying for exams", "running a marathon", "saving money",
+              "sleeping better", "learning a new language", "starting a garden",
+              "working from home", "traveling on a budget", "writing a resume",
+              "staying focused", "public speaking", "making friends in a new city"]
+HOWTOS = ["make a cup of tea", "change a flat tire", "write a cover letter",
+          "plant tomatoes", "bake bread", "tie a tie", "start a blog", "learn to swim",
+          "set up a Python virtual environment", "use git branches", "clean a laptop keyboard",
+          "prepare for a job interview", "meditate", "back up my files"]
+TOPICS = ["photosynthesis", "black holes", "the Roman Empire", "climate change", "volcanoes",
+          "the internet", "machine learning", "the water cycle", "democracy", "electricity",
+          "the human heart", "DNA", "the moon", "honeybees", "renewable energy", "gravity",
+          "the printing press", "vaccines", "earthquakes", "the stock market"]
+CHAT_FORMS = [
+    "What is the capital of {country}?", "Tell me an interesting fact about {country}.",
+    "Give me three tips for {activity}.", "What are the benefits of {activity}?",
+    "How do I {howto}?", "Explain step by step how to {howto}.",
+    "Tell me about {topic}.", "Explain {topic} to a ten-year-old.",
+    "What are the main facts about {topic}?", "Why is {topic} important?",
+]
+CHARACTERS = ["a robot", "a young wizard", "an old fisherman", "a curious cat", "a detective",
+              "a lost astronaut", "a baker", "a dragon", "a lighthouse keeper", "a little girl"]
+ACTIONS = ["finds a hidden door", "learns to fly", "loses a key", "meets a stranger",
+           "discovers a secret", "goes on a journey", "builds a machine", "saves a village"]
+THINGS = ["the ocean", "autumn leaves", "the city at night", "friendship", "the stars",
+          "a rainy day", "mountains", "the first snow", "time", "coffee"]
+PROSE_FORMS = [
+    "Write a short story about {char} who {action}.", "Write a poem about {thing}.",
+    "Describe {thing} in a few sentences.", "Write a haiku about {thing}.",
+    "Write a short email to a colleague about {activity}.",
+    "Write a paragraph about {topic} for a school essay.",
+    "Continue this story: Once upon a time, {char} {action}.",
+]
+
+
+def zen_lines() -> list[str]:
+    """The 19 aphorisms of ``import this``."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this  # prints the Zen on first import
+    text = codecs.decode(this.s, "rot13")
+    return [line for line in text.splitlines()[2:] if line.strip()]
+
+
+def module_docs(max_chars: int = 600) -> list[tuple[str, str]]:
+    """(name, first paragraphs of the docstring) for each importable module listed."""
+    docs = []
+    for name in STDLIB_MODULES:
+        try:
+            doc = importlib.import_module(name).__doc__ or ""
+        except Exception:  # missing optional module (e.g. no sqlite3): skip it
+            continue
+        doc = doc.strip()
+        if len(doc) >= 40:
+            docs.append((name, doc[:max_chars].rsplit("\n", 1)[0] if len(doc) > max_chars else doc))
+    return docs
+
+
+def math_prompt(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(100, 999)
+    forms = [
+        f"What is {a} + {b}?", f"What is {a} * {b}?", f"Compute {c} - {a}.",
+        f"What is {c} divided by {b}? Give the answer with two decimals.",
+        f"Solve for x: {a}x + {b} = {c}.", f"What is {a}% of {c}?",
+        f"Is {c} a prime number? Explain.", f"What is the square root of {a * a}?",
+        f"A shop sells apples for {a} cents each. How much do {b} apples cost?",
+        f"A train travels {c} km in {b % 9 + 2} hours. What is its average speed?",
+        f"Tom has {a} marbles and gives {b % a if b % a else 1} to Anna. How many are left?",
+        f"What is the area of a rectangle with sides {a} cm and {b} cm?",
+        f"Convert {c} minutes to hours and minutes.",
+        f"What is the least common multiple of {a} and {b}?",
+    ]
+    return rng.choice(forms)
+
+
+def instruction_prompts(rng: random.Random, n: int) -> list[str]:
+    """``n`` template prompts, about a quarter each of code, math, chat and prose."""
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            if rng.random() < 0.8:
+                form = rng.choice(CODE_FORMS)
+                out.append(form.format(lang=rng.choice(CODE_LANGS), task=rng.choice(CODE_TASKS)))
+            else:
+                out.append("Explain what this code does:\n```python\n"
+                           f"{rng.choice(SNIPPETS)}\n```")
+        elif kind == 1:
+            out.append(math_prompt(rng))
+        else:
+            forms = CHAT_FORMS if kind == 2 else PROSE_FORMS
+            out.append(rng.choice(forms).format(
+                country=rng.choice(COUNTRIES), activity=rng.choice(ACTIVITIES),
+                howto=rng.choice(HOWTOS), topic=rng.choice(TOPICS),
+                char=rng.choice(CHARACTERS), action=rng.choice(ACTIONS),
+                thing=rng.choice(THINGS)))
+    return out
+
+
+def build_prompts(num_instructions: int = 2500, seed: int = 0) -> list[str]:
+    """All prompts, deduplicated, in a fixed order (user messages, no template)."""
+    rng = random.Random(seed)
+    prompts = []
+    for line in zen_lines():
+        prompts.append(f"Explain this line from the Zen of Python: \"{line}\"")
+        prompts.append(f"Give an example of Python code that follows the principle \"{line}\"")
+    for name, doc in module_docs():
+        prompts.append(f"What is the Python module `{name}` used for?")
+        prompts.append(f"Summarize this documentation of the Python module `{name}`:\n\n{doc}")
+        prompts.append(f"Write a short example that uses the Python module `{name}`.")
+    prompts += instruction_prompts(rng, num_instructions)
+    return list(dict.fromkeys(prompts))
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else "prompts.json"
+    prompts = build_prompts()
+    with open(out, "w") as fh:
+        json.dump(prompts, fh, indent=0)
+    print(f"{len(prompts)} prompts -> {out}")
