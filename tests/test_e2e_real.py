@@ -1,0 +1,69 @@
+"""The real pair: SmolLM2-135M-Instruct and the DFlash drafter trained for it.
+
+Greedy DDTree output must equal non-speculative output on the real model in
+float32, and the e2e benchmark's --quick mode (the one CI runs) must complete
+and report consistent figures.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e_utils import greedy, make_llm, shutdown, spec_metrics
+
+pytestmark = pytest.mark.slow
+
+DRAFTER = Path(__file__).resolve().parent.parent / "models" / "dflash-smollm2-135m-b8"
+QUESTIONS = [
+    "Write a Python function that reverses a string.",
+    "What is the capital of France?",
+    "List three colours of the rainbow.",
+]
+
+
+def _chat_prompts(model: Path) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                    add_generation_prompt=True) for q in QUESTIONS]
+
+
+def test_greedy_identical_on_the_real_model(smollm2):
+    prompts = _chat_prompts(smollm2)
+    llm = make_llm(str(smollm2), max_model_len=512)
+    expected = greedy(llm, prompts, 48)
+    shutdown(llm)
+    config = {"method": "ddtree", "model": str(DRAFTER), "ddtree_budget": 16,
+              "ddtree_topk_cap": 4}
+    llm = make_llm(str(smollm2), config, max_model_len=512)
+    try:
+        assert greedy(llm, prompts, 48) == expected
+        metrics = spec_metrics(llm)
+    finally:
+        shutdown(llm)
+    assert metrics["num_accepted_tokens"] > 0
+
+
+def test_bench_e2e_quick(smollm2, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_e2e
+
+    out = tmp_path / "quick"
+    results = bench_e2e.main(["--quick", "--target", str(smollm2), "--drafter",
+                              str(DRAFTER), "--max-tokens", "24", "--out", str(out)])
+    assert set(results) == {"plain", "chain", "ddtree-b8-k4"}
+    saved = json.loads(Path(f"{out}.json").read_text())["results"]
+    for name, rows in saved.items():
+        assert len(rows) == 4  # T in {0, 1} x batch in {1, 8}
+        for row in rows:
+            assert row["tok_per_s"] > 0 and row["tokens"] > 0
+            if name == "plain":
+                assert row["steps"] == 0 and row["tau"] == 1.0
+            else:
+                assert row["steps"] > 0 and 1.0 <= row["tau"] <= 8.0
