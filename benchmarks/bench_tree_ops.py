@@ -1,7 +1,7 @@
 """Per-step cost of the DDTree host-side tensor ops next to a Qwen3-8B-shaped step.
 
 Tree ops = build_ddtree (top-K per depth over the vocabulary + best-prefix selection)
-+ walk_tree + plan_compaction + per-layer plan_slots / move_slots on K and V of every
++ walk_tree + plan_compaction + one plan_slots + move_slots on K and V of every
 layer's paged cache (as vllm_ddtree/runner.py does). Timed eagerly (host wall time per
 call, synchronised) and as a CUDA-graph replay, with a per-op eager breakdown.
 
@@ -139,11 +139,11 @@ class TreeOps:
         return walk_tree(tree, self.target, self.depth)
 
     def compact(self, walk) -> None:
+        # As the model runner does: plan once per slot mapping (all layers of
+        # one KV-cache group share it), then move every layer's K and V.
         plan = plan_compaction(walk, self.query_start_loc)
-        for layer in range(len(self.caches) // 2):
-            src, dst = plan_slots(self.slot_mapping, plan)
-            for cache in self.caches[2 * layer : 2 * layer + 2]:
-                move_slots(cache.view(-1, KV_HEADS, HEAD_DIM), src, dst)
+        src, dst = plan_slots(self.slot_mapping, plan)
+        self.move_all(src, dst)
 
     def move_all(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for cache in self.caches:
@@ -266,8 +266,8 @@ def save(args, device_name: str, rows: list[dict]) -> None:
             "device": device_name, "torch": torch.__version__,
             "max_depth": args.max_depth, "vocab": args.vocab, "layers": args.layers,
             "context": args.context, "page_size": args.page_size,
-            "note": "ops = build_ddtree + walk_tree + plan_compaction + per-layer "
-                    "plan_slots/move_slots (K and V); step = Qwen3-8B-shaped GEMMs + "
+            "note": "ops = build_ddtree + walk_tree + plan_compaction + one plan_slots, then "
+                    "move_slots on K and V of every layer; step = Qwen3-8B-shaped GEMMs + "
                     "tree attention, CUDA graph",
             "results": rows,
         }, f, indent=1)

@@ -38,6 +38,13 @@ def make_logprobs(kind: str, num_reqs: int, depth: int, vocab: int, gen: torch.G
     return logits.log_softmax(dim=-1)
 
 
+def clamp_edge_logprobs(num_reqs: int, depth: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Unnormalised values on both sides of the clamp (> 0, +-0, the floor, below it, -inf):
+    clamping merges them into ties the top-k and the order must still break exactly."""
+    values = torch.tensor([0.5, 2.0, 0.0, -0.0, -1.0, -2.0, LOGPROB_FLOOR, -3e30, float("-inf")])
+    return values[torch.randint(0, len(values), (num_reqs, depth, vocab), generator=gen)]
+
+
 def ref_topk(lp_row: np.ndarray, k: int) -> list[int]:
     """Token ids ordered by (log-prob desc, id asc), first k."""
     return sorted(range(len(lp_row)), key=lambda t: (-lp_row[t], t))[:k]
@@ -214,10 +221,73 @@ def test_rejects_bad_arguments():
         build_ddtree(torch.zeros(1, 0, 4), torch.zeros(1, dtype=torch.int64), 4)
 
 
+def test_clamp_edges_match_brute_force():
+    rng, gen = random.Random(4), torch.Generator().manual_seed(4)
+    for _ in range(120):
+        vocab, depth = rng.randint(2, 7), rng.randint(1, 4)
+        budget, cap = rng.choice(BUDGETS), rng.choice(CAPS)
+        lp = clamp_edge_logprobs(2, depth, vocab, gen)
+        roots = torch.randint(0, vocab, (2,), generator=gen)
+        tree = build_ddtree(lp, roots, budget, cap)
+        check_invariants(tree, lp, roots, budget, cap)
+        for r in range(2):
+            want = brute_force(lp[r], budget, cap)
+            check_layout(tree, r, expected_layout(lp[r], roots[r].item(), budget, cap, want))
+
+
+@pytest.mark.parametrize("depth", [40, 63])  # DFlash block sizes up to MAX_BLOCK_SIZE = 64
+def test_deep_trees_match_best_first_heap(depth: int):
+    gen = torch.Generator().manual_seed(depth)
+    for i, (budget, kind) in enumerate(itertools.product([17, 100], ["onehot", "uniform", "ties"])):
+        cap = [None, 2][i % 2]
+        lp = make_logprobs(kind, 2, depth, 5, gen)
+        roots = torch.randint(0, 5, (2,), generator=gen)
+        tree = build_ddtree(lp, roots, budget, cap)
+        check_invariants(tree, lp, roots, budget, cap)
+        for r in range(2):
+            want = best_first(lp[r], budget, cap)
+            check_layout(tree, r, expected_layout(lp[r], roots[r].item(), budget, cap, want))
+
+
+@pytest.mark.parametrize("k", [1, 7, 64])
+def test_topk_per_depth_ties_straddling_the_kth_value(k: int, monkeypatch):
+    # Many exact copies of a value near rank k: torch.topk may keep any of them, the
+    # result must keep the lowest ids. Clamp edges add ties torch.topk never sees.
+    gen = torch.Generator().manual_seed(k)
+    lp = torch.randn(2, 3, 3000, generator=gen)
+    tied = lp.topk(max(1, k // 2), dim=-1).values[..., -1:]
+    lp.scatter_(2, torch.randint(0, 3000, (2, 3, 500), generator=gen), tied.expand(-1, -1, 500))
+    lp[1, 2] = clamp_edge_logprobs(1, 1, 3000, gen)[0, 0]
+    clamped = lp.clamp(LOGPROB_FLOOR, 0.0)
+    vals, ids = tree_mod.topk_per_depth(lp, k)
+    for r, d in itertools.product(range(2), range(3)):
+        want = ref_topk(clamped[r, d].numpy(), k)
+        assert ids[r, d].tolist() == want and vals[r, d].tolist() == clamped[r, d, want].tolist()
+    monkeypatch.setattr(tree_mod, "TOPK_CHUNK_ELEMS", 3000 * 2 * 2)  # two depths per chunk
+    assert torch.equal(tree_mod.topk_per_depth(lp, k)[1], ids)
+
+
+@pytest.mark.parametrize("max_depth", [1, 2, 3, 15, 16, 17, 63])
+def test_ancestor_mask_of_a_full_depth_chain(max_depth: int):
+    # A chain root -> 1 -> ... -> max_depth (the deepest a node can be), then padding.
+    n = max_depth + 3
+    parents = torch.tensor([[0] + list(range(max_depth)) + [0, 0]])
+    mask = tree_mod.ancestor_mask_from_parents(parents, max_depth)[0]
+    for i in range(n):
+        want = set(range(i + 1)) if i <= max_depth else {0, i}
+        assert set(torch.nonzero(mask[i]).flatten().tolist()) == want
+
+
+def test_order_keys_refuse_to_overflow():
+    with pytest.raises(ValueError, match="62-bit order keys"):
+        tree_mod.key_bits(budget=1 << 20, max_depth=63, k=1 << 20)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("use_triton", [True, False])
 @pytest.mark.parametrize("budget", [7, 16, 17])
-def test_cuda_graph_capture_matches_eager(budget: int):
+def test_cuda_graph_capture_matches_eager(budget: int, use_triton: bool):
     from vllm_ddtree.verify import walk_tree
 
     num_reqs, depth, vocab, dev = 5, 7, 1000, torch.device("cuda")
@@ -227,13 +297,13 @@ def test_cuda_graph_capture_matches_eager(budget: int):
     target = torch.zeros(num_reqs, budget + 1, dtype=torch.int64, device=dev)
 
     def step():
-        tree = build_ddtree(lp, roots, budget, topk_cap=4)
+        tree = build_ddtree(lp, roots, budget, topk_cap=4, use_triton=use_triton)
         return tree, walk_tree(tree, target, depth)
 
     def new_inputs(kind: str) -> None:
         lp.copy_(make_logprobs(kind, num_reqs, depth, vocab, gen))
         roots.copy_(torch.randint(0, vocab, (num_reqs,), generator=gen))
-        tree = build_ddtree(lp, roots, budget, topk_cap=4)  # eager, for a deep-walking target
+        tree = build_ddtree(lp, roots, budget, topk_cap=4, use_triton=use_triton)  # eager
         child_tok = torch.zeros(num_reqs, budget + 2, dtype=torch.int64, device=dev)
         child_tok.scatter_(1, torch.where(tree.valid, tree.parents, budget + 1), tree.tokens)
         noise = torch.randint(0, vocab, target.shape, generator=gen).to(dev)

@@ -27,6 +27,11 @@ Conventions (all tensors on the inputs' device; shapes depend only on
 - If fewer than `budget` prefixes exist (sum_{d=1..L} K^d < budget) every prefix is taken
   and the trailing columns are padding: valid False, token 0, parent 0, depth 0; a padding
   row's ancestor_mask holds only the root and itself, so it attends to real context only.
+
+Two implementations of the selection, with identical outputs: on CUDA the Triton kernel
+in tree_triton.py (best-first, one program per request, a handful of launches per build);
+elsewhere select_tree below, its torch twin and test oracle (depth by depth, top-B over
+int64 order keys).
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 LOGPROB_FLOOR = -1e30  # finite stand-in for log(0); keeps zero-probability prefixes orderable
-TOPK_CHUNK_ELEMS = 1 << 25  # vocab entries per top-k chunk: bounds its transient memory
-DEPTH, PARENT, RANK, LEXKEY = range(4)  # columns of select_prefixes' node meta
+TOPK_CHUNK_ELEMS = 1 << 25  # vocab entries per tie-resolution chunk: bounds its transient memory
+KEY_NONE = 1 << 62  # order key of an empty slot: after every real key
+MAG_BITS = 31  # |score| bits of a float32 score <= 0
+INF_MAG = 0x7F800000  # |score| bits of -inf: an empty slot's score
 
 
 @dataclass
@@ -59,120 +67,182 @@ def build_ddtree(
     root_tokens: torch.Tensor,  # [num_reqs]
     budget: int,
     topk_cap: int | None = None,
+    *,
+    use_triton: bool | None = None,  # None: the Triton kernel on CUDA where it fits, else torch
 ) -> DDTree:
-    """Build the tree of the `budget` most probable draft prefixes for every request."""
+    """Build the tree of the `budget` most probable draft prefixes for every request:
+    top-K tokens per depth, then the selection and layout (Triton or its torch twin)."""
     _check_args(draft_logprobs, root_tokens, budget, topk_cap)
-    num_reqs, max_depth, vocab = draft_logprobs.shape
-    n = budget + 1
+    _, max_depth, vocab = draft_logprobs.shape
     k = min(budget, topk_cap if topk_cap is not None else budget, vocab)
-    logprobs = draft_logprobs.float().clamp(LOGPROB_FLOOR, 0.0)
-    top_vals, top_ids = topk_per_depth(logprobs, k)  # [num_reqs, max_depth, k] each
+    top_vals, top_ids = topk_per_depth(draft_logprobs.float(), k)  # [num_reqs, max_depth, k]
+    if use_triton is None:
+        use_triton = draft_logprobs.is_cuda and _triton_fits(budget, max_depth)
+    if use_triton:
+        from vllm_ddtree.tree_triton import select_tree_triton
 
-    score, meta = select_prefixes(top_vals, budget)
-    depth, parent, rank = meta[..., DEPTH], meta[..., PARENT], meta[..., RANK]
-    valid = score > float("-inf")  # root score is 0, padding -inf
-
-    # Depth-major order; stable, so each depth keeps the total order. Padding goes last.
-    key = torch.where(valid, depth, max_depth + 1)
-    perm = torch.argsort(key, dim=1, stable=True)  # new index -> old; perm[:, 0] = 0 (root)
-    inv = torch.empty_like(perm).scatter_(1, perm, torch.arange(n, device=perm.device).expand_as(perm))
-    valid = valid.gather(1, perm)
-    depth = torch.where(valid, depth.gather(1, perm), 0)
-    parent = torch.where(valid, inv.gather(1, parent.gather(1, perm)), 0)
-    rank = rank.gather(1, perm)
-
-    # token = top_ids[depth - 1, rank]; the root carries the bonus token.
-    flat = (depth - 1).clamp(min=0) * k + rank
-    tokens = top_ids.reshape(num_reqs, max_depth * k).gather(1, flat)
-    tokens = torch.where(valid, tokens, 0)
-    tokens[:, 0] = root_tokens.to(torch.int64)
-    return DDTree(
-        tokens=tokens,
-        parents=parent,
-        depths=depth,
-        valid=valid,
-        ancestor_mask=ancestor_mask_from_parents(parent, max_depth),
-        num_nodes=valid[:, 1:].sum(dim=1),
-    )
+        return select_tree_triton(top_vals, top_ids, root_tokens, budget)
+    return select_tree(top_vals, top_ids, root_tokens, budget)
 
 
 def topk_per_depth(
     logprobs: torch.Tensor,  # [num_reqs, max_depth, vocab] float32, no NaN
     k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k (values, ids) per depth, ordered by (value desc, id asc); deterministic on ties.
+    """Top-k (values clamped to [LOGPROB_FLOOR, 0], ids) per depth, ordered by
+    (clamped value desc, id asc); deterministic on ties.
 
-    torch.topk's choice among values tied with the k-th is unspecified, so a second topk on
-    an int32 key with unique tied entries picks the canonical set: every value above the
-    k-th value, then the lowest ids among those equal to it."""
+    One torch.topk fixes the values (clamping is monotone, so the clamped top-k values are
+    the clamped raw top-k values). Every token whose clamped value beats the k-th value v is
+    in any top-k; only the ids tied with v are topk's free choice. The m lowest tied ids are
+    the first m hits of a cumsum of (clamped value == v) over the vocabulary, found by
+    searchsorted. Finally each run of equal values is ordered by id."""
     num_reqs, max_depth, vocab = logprobs.shape
-    ids = torch.arange(vocab, device=logprobs.device, dtype=torch.int32)
+    raw_vals, ids = logprobs.topk(k, dim=-1)  # values sorted descending
+    vals = raw_vals.clamp(LOGPROB_FLOOR, 0.0)
+    neg = -vals  # ascending
+    run_start = torch.searchsorted(neg, neg)  # first slot holding each slot's value
+    tie_start = run_start[..., k - 1 :]  # [num_reqs, max_depth, 1]: slots >= this hold v
+    kth = vals[..., k - 1 :]
+    slot = torch.arange(1, k + 1, device=logprobs.device, dtype=torch.int32)
+    hit_rank = (slot - tie_start.to(torch.int32)).clamp(min=1)  # slot j takes tied hit j - start
     step = max(1, TOPK_CHUNK_ELEMS // max(1, num_reqs * vocab))  # depths per chunk
-    chosen = []
+    tied = []
     for d in range(0, max_depth, step):
-        rows = logprobs[:, d : d + step]
-        kth = rows.topk(k, dim=-1).values[..., k - 1 :]  # same value whichever tie topk keeps
-        key = torch.where(rows > kth, vocab, torch.where(rows == kth, -ids, -vocab - 1))
-        chosen.append(key.topk(k, dim=-1).indices)
-    idx = torch.cat(chosen, dim=1).sort(dim=-1).values  # ids ascending ...
-    vals, order = logprobs.gather(-1, idx).sort(dim=-1, descending=True, stable=True)
-    return vals, idx.gather(-1, order)  # ... then values descending: (value desc, id asc)
+        rows = logprobs[:, d : d + step].clamp(LOGPROB_FLOOR, 0.0)
+        hits = torch.empty(rows.shape, dtype=torch.int32, device=rows.device)  # int32 at once:
+        torch.eq(rows, kth[:, d : d + step], out=hits).cumsum_(-1)  # no bool -> int copy
+        tied.append(torch.searchsorted(hits, hit_rank[:, d : d + step].contiguous()))
+    tied_ids = tied[0] if len(tied) == 1 else torch.cat(tied, dim=1)
+    ids = torch.where(slot > tie_start, tied_ids, ids)
+    # Inside a run of equal values, ids ascending: sort (run start, id) keys; runs stay put.
+    base = run_start * vocab
+    return vals, ids.add_(base).sort(dim=-1).values.sub_(base)
+
+
+def select_tree(
+    top_vals: torch.Tensor,  # [num_reqs, max_depth, k] float32 <= 0, sorted descending per depth
+    top_ids: torch.Tensor,  # [num_reqs, max_depth, k] int64
+    root_tokens: torch.Tensor,  # [num_reqs]
+    budget: int,
+) -> DDTree:
+    """The tree of the `budget` best prefixes in the documented layout (torch twin of
+    tree_triton.select_tree_triton)."""
+    num_reqs, max_depth, k = top_vals.shape
+    device = top_vals.device
+    scores, codes, bound = select_prefixes(top_vals, budget)  # [num_reqs, max_depth, budget]
+    lex_bits, shift = key_bits(budget, max_depth, k)
+    depth = torch.arange(1, max_depth + 1, device=device)[:, None]  # [max_depth, 1]
+    mag = _score_mag(scores)
+    key = torch.add((depth << lex_bits) + codes, mag, alpha=1 << shift)  # the total order
+    # Selected: key <= bound. Layout order: depth, then the total order inside a depth.
+    layout_key = torch.add((depth << (MAG_BITS + lex_bits)) + codes, mag, alpha=1 << lex_bits)
+    layout_key = torch.where(key <= bound[:, :, None], layout_key, KEY_NONE)
+    last, flat = layout_key.view(num_reqs, max_depth * budget).topk(budget, dim=1, largest=False)
+    valid = last < KEY_NONE  # [num_reqs, budget]
+
+    # Entry flat = (d - 1) * budget + slot; its code l * k + r names parent slot l at d - 1.
+    level = flat.div(budget, rounding_mode="floor")  # d - 1
+    code = codes.view(num_reqs, max_depth * budget).gather(1, flat)
+    # Column c + 1 of `position` holds the node position of entry c; column 0 is the root,
+    # where depth-1 entries (negative before the clamp) point.
+    parent_col = ((level - 1) * budget + code.div(k, rounding_mode="floor") + 1).clamp(min=0)
+    position = torch.zeros(num_reqs, max_depth * budget + 1, dtype=torch.int64, device=device)
+    position.scatter_(1, flat + 1, torch.arange(1, budget + 1, device=device).expand(num_reqs, -1))
+    parents = torch.where(valid, position.gather(1, parent_col), 0)  # column 0: the root
+    tokens = top_ids.view(num_reqs, max_depth * k).gather(1, level * k + code.remainder(k))
+    tokens = torch.cat([root_tokens.to(torch.int64)[:, None], torch.where(valid, tokens, 0)], dim=1)
+    parents = F.pad(parents, (1, 0))
+    return DDTree(
+        tokens=tokens,
+        parents=parents,
+        depths=F.pad(torch.where(valid, level + 1, 0), (1, 0)),
+        valid=F.pad(valid, (1, 0), value=True),
+        ancestor_mask=ancestor_mask_from_parents(parents, max_depth),
+        num_nodes=valid.sum(dim=1),
+    )
 
 
 def select_prefixes(
-    top_vals: torch.Tensor,  # [num_reqs, max_depth, k] sorted descending per depth
+    top_vals: torch.Tensor,  # [num_reqs, max_depth, k] float32 <= 0, sorted descending per depth
     budget: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-`budget` prefixes in total order: score [num_reqs, budget + 1] (padding -inf)
-    and meta [num_reqs, budget + 1, 4] = (depth, parent, rank, lexkey); column 0 = root."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Depth by depth, every node that is among the `budget` best prefixes of depth <= d.
+
+    Returns, per depth d and slot s (lexicographic order inside a depth; empty slots last):
+    scores [num_reqs, max_depth, budget] (-inf: empty), codes [num_reqs, max_depth, budget]
+    (l * k + r: rank r under parent slot l of depth d - 1), and bound [num_reqs, 1], the order
+    key of the budget-th best prefix overall: the tree is every node with key <= bound.
+
+    Order key = |score| bits, depth, code: as integers in the total order, unique per prefix.
+    A depth-d prefix among the best of depth <= d has its parent among the best of depth
+    <= d - 1, so the children of the kept depth-(d-1) nodes are the only new candidates."""
     num_reqs, max_depth, k = top_vals.shape
-    n = budget + 1
     device = top_vals.device
-    score = torch.full((num_reqs, n), float("-inf"), device=device)
-    score[:, 0] = 0.0
-    meta = torch.zeros(num_reqs, n, 4, dtype=torch.int64, device=device)
-    slot = torch.arange(n * k, device=device)  # child slot l * k + r of the l-th frontier node
-    # Children's (rank, lexkey) = (r, lexrank(parent) * k + r); depth and parent set per step.
-    child_meta = torch.stack([slot * 0, slot * 0, slot % k, slot], dim=1)  # [n * k, 4]
-    new_index = torch.arange(1, n, device=device).expand(num_reqs, -1)
-
-    # Invariant after step d: columns 1.. hold the top-`budget` prefixes of depth <= d, sorted.
-    # A depth-d prefix can only enter if its parent is in, so the frontier's children suffice.
+    lex_bits, shift = key_bits(budget, max_depth, k)
+    codes_all = torch.arange((budget + 1) * k, device=device)  # child code l * k + r: lex order
+    best = torch.full((num_reqs, budget), KEY_NONE, dtype=torch.int64, device=device)
+    # Depth d - 1 scores in lex order, then one -inf slot: the code of its first child
+    # (`none`) marks an empty slot, and gathers through it read -inf.
+    frontier = F.pad(torch.zeros(num_reqs, 1, device=device), (0, 1), value=float("-inf"))
+    scores, codes = [], []
     for d in range(1, max_depth + 1):
-        frontier = (meta[..., DEPTH] == d - 1) & (score > float("-inf"))
-        # Frontier in lexicographic rank-tuple order (lexkey order among same-depth nodes).
-        order = torch.argsort(torch.where(frontier, meta[..., LEXKEY], n * k), dim=1, stable=True)
-        par_score = torch.where(frontier.gather(1, order), score.gather(1, order), float("-inf"))
-        child_score = par_score[:, :, None] + top_vals[:, d - 1, None, :]  # log P + log q_d
-        kids = child_meta.repeat(num_reqs, 1, 1)
-        kids[..., DEPTH] = d
-        kids[..., PARENT] = order.repeat_interleave(k, dim=1)
+        width, none = frontier.shape[1] * k, (frontier.shape[1] - 1) * k
+        child = (frontier[:, :, None] + top_vals[:, d - 1, None, :]).view(num_reqs, width)  # log P + log q_d
+        child_key = torch.add(codes_all[:width] + (d << lex_bits), _score_mag(child), alpha=1 << shift)
+        top_key, top_code = child_key.topk(min(budget, none), dim=1, largest=False, sorted=False)
+        best = torch.cat([best, top_key], dim=1).topk(budget, dim=1, largest=False).values
+        # Children among the best so far, in lex order. Once fewer than `budget` real prefixes
+        # exist, empty (-inf) children are kept too; they sort last and are never selected.
+        kept = torch.where(top_key <= best[:, -1:], top_code, none).sort(dim=1).values
+        frontier = F.pad(child.gather(1, kept), (0, 1), value=float("-inf"))
+        pad = budget - kept.shape[1]
+        scores.append(F.pad(frontier[:, :-1], (0, pad), value=float("-inf")) if pad else frontier[:, :-1])
+        codes.append(F.pad(kept, (0, pad), value=none) if pad else kept)
+    bound = best[:, -1:].clamp(max=(INF_MAG << shift) - 1)  # never an empty slot
+    return torch.stack(scores, dim=1), torch.stack(codes, dim=1), bound
 
-        # Candidates = selected prefixes, then the children in lexicographic order; a stable
-        # sort on score then realises (score desc, depth asc, rank tuple asc).
-        cand_score = torch.cat([score[:, 1:], child_score.reshape(num_reqs, n * k)], dim=1)
-        top = torch.sort(cand_score, dim=1, descending=True, stable=True).indices[:, :budget]
-        chosen = torch.cat([meta[:, 1:], kids], dim=1).gather(1, top[..., None].expand(-1, -1, 4))
 
-        # Old node index -> new node index for surviving selected nodes (root stays 0).
-        remap = torch.zeros(num_reqs, n + 1, dtype=torch.int64, device=device)
-        remap.scatter_(1, torch.where(top < budget, top + 1, n), new_index)  # column n: dump
-        chosen[..., PARENT] = remap.gather(1, chosen[..., PARENT])
-        score = torch.cat([score[:, :1], cand_score.gather(1, top)], dim=1)
-        meta = torch.cat([meta[:, :1], chosen], dim=1)
-    return score, meta
+def key_bits(budget: int, max_depth: int, k: int) -> tuple[int, int]:
+    """(code bits, code + depth bits) of the int64 order keys; raises if they do not fit."""
+    lex_bits = ((budget + 1) * k).bit_length()  # codes l * k + r < (budget + 1) * k
+    depth_bits = max_depth.bit_length()
+    if MAG_BITS + depth_bits + lex_bits > 62:
+        raise ValueError(
+            f"budget={budget} with topk={k} and max_depth={max_depth} is too large for 62-bit "
+            f"order keys; budget * topk must stay below 2**{62 - MAG_BITS - depth_bits}"
+        )
+    return lex_bits, depth_bits + lex_bits
+
+
+def _triton_fits(budget: int, max_depth: int) -> bool:
+    from vllm_ddtree.tree_triton import triton_supports
+
+    return triton_supports(budget, max_depth)
+
+
+def _score_mag(score: torch.Tensor) -> torch.Tensor:
+    """|score| bits as int32 (score <= 0, float32): increasing as the score decreases;
+    -0.0 and 0.0 map to 0, -inf to INF_MAG. Callers combine them in int64."""
+    return score.contiguous().view(torch.int32) & 0x7FFFFFFF
 
 
 def ancestor_mask_from_parents(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[num_reqs, n, n] bool, [r, i, j] = j is ancestor-or-self of i (pointer chasing)."""
+    """[num_reqs, n, n] bool, [r, i, j] = j is ancestor-or-self of i.
+
+    Pointer doubling: chain[..., t] = parent^t(i) for t < m, hop = parent^m; one doubling
+    extends the chain by chain[hop] (parent^(m + t) = parent^t(parent^m)). The root is its
+    own parent, so chains end on it; depth <= max_depth, so max_depth + 1 columns suffice."""
     num_reqs, n = parents.shape
+    chain = torch.arange(n, device=parents.device).expand(num_reqs, n)[..., None]
+    hop = parents
+    while chain.shape[2] <= max_depth:
+        m = chain.shape[2]
+        chain = torch.cat([chain, chain.gather(1, hop[..., None].expand(-1, -1, m))], dim=2)
+        if chain.shape[2] <= max_depth:
+            hop = hop.gather(1, hop)
     mask = torch.zeros(num_reqs, n, n, dtype=torch.bool, device=parents.device)
-    cur = torch.arange(n, device=parents.device).expand(num_reqs, n)
-    mask.scatter_(2, cur[..., None], True)  # self
-    for _ in range(max_depth):  # depth <= max_depth, and the root is its own parent
-        cur = parents.gather(1, cur)
-        mask.scatter_(2, cur[..., None], True)
-    return mask
+    return mask.scatter_(2, chain, True)
 
 
 def _check_args(
