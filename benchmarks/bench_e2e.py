@@ -167,11 +167,11 @@ def plot(results: dict[str, list[dict]], path: Path) -> bool:
                        if r["temperature"] == 0.0 and r["batch"] == 1) for n in names]
             ax.plot(budgets, ys, marker="o", label=f"DDTree top-k cap {cap}")
     for ax, field in zip(axes, ("tau", "tok_per_s")):
-        for ref in ("chain", "plain"):
+        for ref, color in (("chain", "grey"), ("plain", "black")):
             if ref in results:
                 y = next(r[field] for r in results[ref]
                          if r["temperature"] == 0.0 and r["batch"] == 1)
-                ax.axhline(y, linestyle="--", label=ref)
+                ax.axhline(y, linestyle="--", color=color, label=ref)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget")
         ax.set_ylabel(field)
