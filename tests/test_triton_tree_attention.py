@@ -23,6 +23,8 @@ from vllm_ddtree.attention.reference import (
     tree_attention_reference,
     write_kv_to_cache,
 )
+from tests.test_attention_reference import padded_tree_mask as reference_padded_tree_mask
+from tests.test_attention_reference import random_tree_parents, root_to_node
 from vllm_ddtree.attention.triton_tree import tree_attention_triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -44,33 +46,9 @@ TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}  #
 REL_NORM = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 5e-3}  # |d| / |ref|
 
 
-def random_tree_parents(num_nodes: int, max_depth: int, rng: random.Random) -> list[int]:
-    """parents[0] = -1 (root); parents precede children; depth <= max_depth."""
-    parents, depths = [-1], [0]
-    for node in range(1, num_nodes):
-        parent = rng.choice([j for j in range(node) if depths[j] < max_depth])
-        parents.append(parent)
-        depths.append(depths[parent] + 1)
-    return parents
-
-
-def root_to_node(parents: list[int], node: int) -> list[int]:
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
 def padded_tree_mask(trees: list[list[int]], width: int, seed: int) -> torch.Tensor:
-    """[num_reqs, width, width] bool ancestor matrices padded with random garbage."""
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.rand(len(trees), width, width, generator=gen) < 0.5
-    for r, parents in enumerate(trees):
-        n = len(parents)
-        mask[r, :n, :n] = False
-        for node in range(n):
-            mask[r, node, root_to_node(parents, node)] = True
-    return mask.to(DEVICE)
+    """The reference test's padded ancestor masks, on the test device."""
+    return reference_padded_tree_mask(trees, width, seed).to(DEVICE)
 
 
 @dataclass
