@@ -146,6 +146,21 @@ def test_async_scheduling_rejected(tiny_llama, drafter):
         engine_config(tiny_llama, ddtree(drafter), async_scheduling=True)
 
 
+def test_v2_model_runner_rejected(tiny_llama, drafter, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match=r"DDTree runs on vLLM's V1 model runner, but "
+                       r"VLLM_USE_V2_MODEL_RUNNER='1' asks for V2"):
+        engine_config(tiny_llama, ddtree(drafter))
+
+
+def test_v1_model_runner_selected(tiny_llama, drafter, monkeypatch):
+    import os
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    engine_config(tiny_llama, ddtree(drafter))
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
 def test_ddtree_keys_need_method_ddtree(tiny_llama, drafter):
     # With method "dflash" the ddtree_* keys are not silently dropped.
     spec = {"method": "dflash", "model": str(drafter), "ddtree_budget": 8}

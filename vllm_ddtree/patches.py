@@ -77,8 +77,14 @@ def _patch_create_speculative_config() -> None:
                 "remove --async-scheduling (it is turned off for DDTree by default)."
             )
         self.async_scheduling = False
-        # DDTree runs on vLLM's V1 model runner (the CPU backend always does).
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        # DDTree runs on vLLM's V1 model runner (the CPU backend always does);
+        # on GPU vLLM would pick V2, which has none of the plugin's hooks.
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() in ("1", "true"):
+            raise ValueError(
+                "DDTree runs on vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER="
+                f"{os.environ['VLLM_USE_V2_MODEL_RUNNER']!r} asks for V2; unset it or set it to 0."
+            )
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
         def build_dflash(dflash: dict[str, Any]) -> SpeculativeConfig:
             return SpeculativeConfig(
@@ -144,6 +150,7 @@ def _patch_model_runner() -> None:
 
     from vllm_ddtree import runner as ddtree_runner
     from vllm_ddtree.attention.state import publishing
+    from vllm_ddtree.sync import no_host_sync
 
     cls = GPUModelRunner
     orig_init = _orig["runner.__init__"] = cls.__init__
@@ -160,7 +167,8 @@ def _patch_model_runner() -> None:
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         result = orig_prepare(self, scheduler_output, *args, **kwargs)
         if getattr(self, "ddtree_state", None) is not None:
-            ddtree_runner.begin_verify_step(self, result[1])
+            with no_host_sync(self.device):
+                ddtree_runner.begin_verify_step(self, result[1])
         return result
 
     def _build_attention_metadata(self, *args, **kwargs):
@@ -182,7 +190,8 @@ def _patch_model_runner() -> None:
     def _sample(self, logits, spec_decode_metadata):
         output = orig_sample(self, logits, spec_decode_metadata)
         if getattr(self, "ddtree_state", None) is not None and spec_decode_metadata is not None:
-            ddtree_runner.compact_after_walk(self)
+            with no_host_sync(self.device):
+                ddtree_runner.compact_after_walk(self)
         return output
 
     def propose_draft_token_ids(self, *args, **kwargs):

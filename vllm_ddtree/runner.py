@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from vllm_ddtree.attention.state import TreeAttentionInfo
+from vllm_ddtree.attention.state import TreeAttentionInfo, to_device
 from vllm_ddtree.compaction import plan_compaction, plan_slots
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, chain_trees, select_trees
@@ -71,7 +71,11 @@ def install(runner: GPUModelRunner) -> None:
 def begin_verify_step(
     runner: GPUModelRunner, spec_decode_metadata: SpecDecodeMetadata | None
 ) -> None:
-    """Attach this step's trees to the batch and set depth positions."""
+    """Attach this step's trees to the batch and set depth positions.
+
+    Host-side sizes come from host copies vLLM already keeps; nothing here
+    waits for the device.
+    """
     state: DDTreeRunnerState = runner.ddtree_state
     state.step = state.attn_info = None
     if spec_decode_metadata is None:
@@ -80,9 +84,10 @@ def begin_verify_step(
     device = runner.positions.device
     num_draft = torch.tensor(spec_decode_metadata.num_draft_tokens, dtype=torch.int64)
     width = int(num_draft.max()) + 1
-    query_end = runner.query_start_loc.gpu[1 : num_reqs + 1].to(torch.int64)
-    num_scheduled = num_draft.to(device)
-    row_start = query_end - num_scheduled - 1
+    query_start_host = runner.query_start_loc.cpu[: num_reqs + 1].to(torch.int64)
+    query_lens = query_start_host.diff()
+    num_scheduled = to_device(num_draft, device)
+    row_start = runner.query_start_loc.gpu[1 : num_reqs + 1].to(torch.int64) - num_scheduled - 1
 
     # Trees come from the drafter; any request without one (or whose drafts
     # were changed on the way, or that is grammar-constrained) is verified as
@@ -95,11 +100,12 @@ def begin_verify_step(
             -1 if _has_grammar(runner, rid) else state.tree_rows.get(rid, -1)
             for rid in runner.input_batch.req_ids
         ]
-        tree = select_trees(drafted, index, chains, num_scheduled)
+        tree = select_trees(drafted, to_device(torch.tensor(index), device), chains, num_scheduled)
 
     # Siblings share a position: node i of a request sits at start + depth_i
     # (its KV slot stays start + i, from vLLM's slot mapping).
-    _offset_positions(runner, row_start, num_scheduled, tree.depths)
+    node = torch.arange(width, device=device)
+    _shift_positions(runner, row_start, num_scheduled, tree.depths - node)
 
     state.step = TreeVerifyStep(
         tree=tree,
@@ -110,9 +116,10 @@ def begin_verify_step(
     has_tree = num_draft > 0
     state.attn_info = TreeAttentionInfo(
         tree_mask=tree.ancestor_mask,
-        row_start=row_start.cpu(),
+        row_start=query_start_host[1:] - num_draft - 1,
         num_rows=torch.where(has_tree, num_draft + 1, 0),
         tree_reqs=torch.nonzero(has_tree).flatten().tolist(),
+        all_rows_are_tree_rows=bool((query_lens == num_draft + 1).all()),
     )
 
 
@@ -144,8 +151,8 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
         t.index_copy_(0, dst_rows, t.index_select(0, src_rows))
 
     # 3. Positions back to chain order: row start + i sits at root + i.
-    chain = torch.arange(step.tree.tokens.shape[1], device=step.row_start.device)
-    _offset_positions(runner, step.row_start, step.num_scheduled, chain.expand_as(step.tree.depths))
+    node = torch.arange(step.tree.depths.shape[1], device=step.row_start.device)
+    _shift_positions(runner, step.row_start, step.num_scheduled, node - step.tree.depths)
 
 
 def record_drafted_trees(runner: GPUModelRunner) -> None:
@@ -164,18 +171,22 @@ def _has_grammar(runner: GPUModelRunner, req_id: str) -> bool:
     return params is not None and params.structured_outputs is not None
 
 
-def _offset_positions(
+def _shift_positions(
     runner: GPUModelRunner,
     row_start: torch.Tensor,  # [num_reqs] flat row of each root
     num_scheduled: torch.Tensor,  # [num_reqs] tree nodes sent per request
-    offsets: torch.Tensor,  # [num_reqs, width] position offset of each node
+    shift: torch.Tensor,  # [num_reqs, width] position change of each node
 ) -> None:
-    """positions[root row + i] = root position + offsets[:, i] for sent nodes."""
-    node = torch.arange(offsets.shape[1], device=row_start.device)
-    rows = row_start[:, None] + node[None, :]
+    """positions[root row + i] += shift[:, i] for the nodes that were sent.
+
+    Absent nodes add 0 to their request's root row (a scatter-add, so the
+    repeats are harmless); no boolean indexing, so the host never waits.
+    """
+    node = torch.arange(shift.shape[1], device=row_start.device)
     present = node[None, :] <= num_scheduled[:, None]
-    root_pos = runner.positions[row_start]
-    runner.positions[rows[present]] = (root_pos[:, None] + offsets)[present]
+    rows = torch.where(present, row_start[:, None] + node[None, :], row_start[:, None])
+    delta = torch.where(present, shift, 0).to(runner.positions.dtype)
+    runner.positions.index_add_(0, rows.flatten(), delta.flatten())
 
 
 def _target_kv_layers(runner: GPUModelRunner):

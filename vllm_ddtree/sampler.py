@@ -23,6 +23,8 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
+from vllm_ddtree.attention.state import to_device
+from vllm_ddtree.sync import no_host_sync
 from vllm_ddtree.tree import DDTree
 from vllm_ddtree.verify import WalkResult, walk_tree
 
@@ -60,6 +62,15 @@ class DDTreeSampler(nn.Module):
         self,
         metadata: SpecDecodeMetadata,
         draft_probs: torch.Tensor | None,  # unused: trees are verified by matching
+        logits: torch.Tensor,  # [num_reqs + num_draft_tokens, vocab]
+        sampling_metadata: SamplingMetadata,
+    ) -> SamplerOutput:
+        with no_host_sync(logits.device):
+            return self._forward(metadata, logits, sampling_metadata)
+
+    def _forward(
+        self,
+        metadata: SpecDecodeMetadata,
         logits: torch.Tensor,  # [num_reqs + num_draft_tokens, vocab]
         sampling_metadata: SamplingMetadata,
     ) -> SamplerOutput:
@@ -117,7 +128,7 @@ class DDTreeSampler(nn.Module):
 
 def chain_step(metadata: SpecDecodeMetadata, device: torch.device) -> TreeVerifyStep:
     """A verify step in which every request's drafts form a plain chain."""
-    num_scheduled = torch.tensor(metadata.num_draft_tokens, device=device)
+    num_scheduled = to_device(torch.tensor(metadata.num_draft_tokens), device)
     width = metadata.max_spec_len + 1
     cu_sampled = metadata.cu_num_sampled_tokens.to(torch.int64)
     return TreeVerifyStep(
@@ -161,7 +172,7 @@ def chain_trees(
 
 def select_trees(
     drafted: DDTree,  # [num_prev_reqs, budget + 1] per field
-    index: list[int],  # row of each current request in `drafted`, -1 if none
+    index: torch.Tensor | list[int],  # [num_reqs] row of each request in `drafted`, -1 if none
     chains: DDTree,  # [num_reqs, width] the scheduled drafts as chains
     num_scheduled: torch.Tensor,  # [num_reqs]
 ) -> DDTree:
@@ -173,7 +184,7 @@ def select_trees(
     """
     device = chains.tokens.device
     width = chains.tokens.shape[1]
-    rows = torch.tensor(index, dtype=torch.int64, device=device)
+    rows = torch.as_tensor(index, dtype=torch.int64, device=device)
     known = rows >= 0
     picked = _take(drafted, rows.clamp(min=0), width)
     node = torch.arange(width, device=device)

@@ -1,5 +1,7 @@
 """Tree attention for DDTree verify rows: plain-torch reference and cache helpers."""
 
+import torch
+
 from vllm_ddtree.attention.reference import (
     pack_tree_mask,
     tree_attention_reference,
@@ -22,17 +24,24 @@ def register_backends(device) -> None:
     engines that run DDTree see the subclass. Uses vLLM's own extension
     point, ``register_backend``, which overrides a backend's class path.
     """
+    from vllm.v1.attention import selector
     from vllm.v1.attention.backends.registry import (
         AttentionBackendEnum,
         register_backend,
     )
 
-    if str(device).startswith("cpu"):
-        register_backend(
-            AttentionBackendEnum.CPU_ATTN,
-            "vllm_ddtree.attention.cpu.DDTreeCPUAttentionBackend",
+    overrides = {
+        "cpu": {AttentionBackendEnum.CPU_ATTN: "cpu.DDTreeCPUAttentionBackend"},
+        "cuda": {
+            AttentionBackendEnum.FLASH_ATTN: "cuda.DDTreeFlashAttentionBackend",
+            AttentionBackendEnum.TRITON_ATTN: "cuda.DDTreeTritonAttentionBackend",
+        },
+    }.get(torch.device(device).type)
+    if overrides is None:
+        raise NotImplementedError(
+            f"DDTree has tree attention for CPU and CUDA devices, not {device!r}."
         )
-        return
-    raise NotImplementedError(
-        f"DDTree has no tree-attention backend for device {device!r} yet."
-    )
+    for backend, path in overrides.items():
+        register_backend(backend, f"vllm_ddtree.attention.{path}")
+    # A backend resolved before this point would stay cached as the parent.
+    selector._cached_get_attn_backend.cache_clear()

@@ -14,7 +14,7 @@ bf16 use on x86 and Arm without AMX.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from vllm.v1.attention.backends.cpu_attn import (
@@ -25,7 +25,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ddtree.attention.reference import tree_attention_reference
-from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
+from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
+from vllm_ddtree.attention.state import TreeAttentionInfo
 
 # Cache interiors this module knows how to read (see the module docstring).
 _PLAIN_ISAS = ("vec", "vec16", "neon")
@@ -62,14 +63,10 @@ class DDTreeCPUAttentionMetadata(CPUAttentionMetadata):
     tree: TreeAttentionInfo | None = None
 
 
-class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        tree = current_tree()
-        if tree is None or not tree.tree_reqs:
-            return metadata
-        values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
-        return DDTreeCPUAttentionMetadata(**values, tree=tree)
+class DDTreeCPUAttentionMetadataBuilder(
+    TreeMetadataBuilderMixin, CPUAttentionMetadataBuilder
+):
+    metadata_cls = DDTreeCPUAttentionMetadata
 
 
 class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -115,18 +112,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
     def _check_tree_support(self, layer) -> None:
-        unsupported = {
-            "sliding window": self.sliding_window != -1,
-            "ALiBi": self.alibi_slopes is not None,
-            "logits soft cap": bool(self.logits_soft_cap),
-            "attention sinks": self.sinks is not None,
-            "quantized KV cache": self.is_fp8_kv_cache,
-        }
-        bad = [name for name, present in unsupported.items() if present]
-        if bad:
-            raise NotImplementedError(
-                f"DDTree tree attention on CPU does not support {', '.join(bad)}."
-            )
+        check_tree_support(self)
         isa = getattr(layer, "isa", "vec")
         if isa not in _PLAIN_ISAS:
             raise NotImplementedError(

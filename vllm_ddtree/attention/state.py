@@ -15,15 +15,59 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree.attention.reference import pack_tree_mask
+
 
 @dataclass
 class TreeAttentionInfo:
     """Which query rows are tree rows, and their ancestor masks."""
 
     tree_mask: torch.Tensor  # [num_reqs, width, width] bool; [r, i, j] = j ancestor-or-self of i
-    row_start: torch.Tensor  # [num_reqs] int64, flat query row of each root
-    num_rows: torch.Tensor  # [num_reqs] int64, tree rows per request (0 = not a tree row)
-    tree_reqs: list[int]  # requests that carry a tree (host-side, for the CPU path)
+    row_start: torch.Tensor  # [num_reqs] int64 on the host, flat query row of each root
+    num_rows: torch.Tensor  # [num_reqs] int64 on the host, tree rows per request (0 = none)
+    tree_reqs: list[int]  # requests that carry a tree (host-side)
+    # Every query row of the batch belongs to a tree (a decode request without
+    # drafts is a root-only tree): CUDA backends then skip their own kernel.
+    all_rows_are_tree_rows: bool = False
+    # Device copies made once per step by prepare_for, shared by all layers.
+    packed_mask: torch.Tensor | None = None  # [num_reqs, width, ceil(width / 32)] int32
+    gpu_rows: torch.Tensor | None = None  # [num_tree_rows] int64; None when every row is a tree row
+    gpu_reqs: torch.Tensor | None = None  # [num_tree_reqs] int64
+    gpu_query_start_loc: torch.Tensor | None = None  # [num_tree_reqs + 1] int32, over gpu_rows
+
+    @property
+    def num_reqs(self) -> int:
+        return self.num_rows.shape[0]
+
+    @property
+    def width(self) -> int:
+        """Verify rows of the widest tree: budget + 1 when every draft was sent."""
+        return self.tree_mask.shape[1]
+
+    def prepare_for(self, device: torch.device) -> None:
+        """Pack the masks and index the tree rows on ``device``, once per step."""
+        if self.packed_mask is not None:
+            return
+        self.packed_mask = pack_tree_mask(self.tree_mask.to(device))
+        if self.all_rows_are_tree_rows:
+            return
+        reqs = torch.tensor(self.tree_reqs, dtype=torch.int64)
+        counts = self.num_rows[reqs]
+        offsets = torch.arange(int(counts.max()))
+        rows = self.row_start[reqs, None] + offsets[None, :]
+        rows = rows[offsets[None, :] < counts[:, None]]
+        query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+        query_start_loc[1:] = counts.cumsum(0)
+        self.gpu_rows = to_device(rows, device)
+        self.gpu_reqs = to_device(reqs, device)
+        self.gpu_query_start_loc = to_device(query_start_loc, device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without making the host wait (pinned on CUDA)."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 _current: TreeAttentionInfo | None = None

@@ -1,0 +1,703 @@
+"""Step cost in real vLLM on a GPU: plain decoding vs the DFlash chain vs DDTree.
+
+One process, one engine per configuration (created, measured, shut down), CUDA graphs
+and torch.compile as vLLM sets them by default, bf16, dummy weights:
+
+- target: a Qwen3-8B-shaped model (36 layers, hidden 4096, 32/8 heads of 128,
+  vocabulary 151936); drafter: a z-lab-layout DFlash drafter for it (5 layers, block 16).
+  Only config.json files are written (`load_format="dummy"`), so no hub is needed.
+- runs: plain decoding and vLLM's native DFlash chain (15 drafts) on the V1 and the V2
+  model runner, DDTree at each budget on V1 (the runner the plugin uses); each engine
+  at batch 1, 8 and 32 with prompts of token ids (no tokenizer).
+- time per step: two generate calls with the same prompts at two output lengths; the
+  wall-time difference over the step difference cancels prefill. Steps come from vLLM's
+  spec-decode metrics (`num_drafts` counts one draft per request per verify step), or
+  the generated tokens per request for plain decoding.
+- plugin share: `bench_tree_ops.measure_ops` (tree build + walk + compaction, CUDA
+  graph) at the same shapes, as a share of the measured DDTree step.
+
+With dummy weights almost nothing is accepted, so these are costs per step, not speed.
+
+    python benchmarks/bench_gpu_step.py                 # full plan (20-30 min on an H200)
+    python benchmarks/bench_gpu_step.py --quick         # batch 1 and 8, budgets 16 and 64
+    python benchmarks/bench_gpu_step.py --dry-run       # plan + synthetic table, no vLLM/CUDA
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+DEFAULT_OUT = BENCH_DIR / "results" / "gpu_step.json"
+DEFAULT_MODEL_DIR = Path(os.environ.get(
+    "VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")) / "gpu-step"
+
+# Qwen3-8B's shape; the drafter follows z-lab's Qwen3-8B DFlash checkpoint.
+VOCAB, LAYERS, BLOCK_SIZE, DRAFTER_LAYERS = 151936, 36, 16, 5
+QWEN3_8B_SHAPE: dict[str, Any] = {
+    "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": VOCAB,
+    "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+MASK_TOKEN_ID, TARGET_LAYER_IDS = 151669, [1, 9, 17, 25, 33]
+PROMPT_TOKEN_MAX = 151643  # ids below Qwen3's special tokens
+MAX_CAPTURE = 4096  # largest CUDA-graph size (tokens) captured by default
+ENGINE_START_S = 75  # torch.compile + graph capture of an 8B model on an H200: 60-90 s
+_START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[gpu-step {time.perf_counter() - _START:7.1f}s] {message}", flush=True)
+
+
+# ---------------------------------------------------------------- arguments and plan
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: batches 1,8, budgets 16,64, outputs 16/64 tokens, 1 repeat")
+    p.add_argument("--dry-run", action="store_true",
+                   help="write the configs, print the plan and a synthetic table; no vLLM, no CUDA")
+    p.add_argument("--batches", type=int_list, default=None, help="default 1,8,32")
+    p.add_argument("--budgets", type=int_list, default=None, help="default 16,32,64,128,256")
+    p.add_argument("--runners", type=name_list, default=["v1", "v2"],
+                   help="model runners for plain and chain runs (DDTree always runs on v1)")
+    p.add_argument("--methods", type=name_list, default=["plain", "chain", "ddtree"],
+                   help="subset of plain,chain,ddtree (to split a long run)")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--short-len", type=int, default=None, help="new tokens, short call (32)")
+    p.add_argument("--long-len", type=int, default=None, help="new tokens, long call (160)")
+    p.add_argument("--repeats", type=int, default=None, help="short/long pairs per batch (3)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default >= 4096, fits all")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--sync-scheduling", action="store_true",
+                   help="async_scheduling=False for every engine (DDTree always runs without)")
+    p.add_argument("--all-capture-sizes", action="store_true",
+                   help="let vLLM capture its default CUDA-graph sizes (slower start)")
+    p.add_argument("--no-tree-ops", action="store_true", help="skip the plugin-share part")
+    p.add_argument("--tree-ops-iters", type=int, default=None, help="default 20 (quick: 10)")
+    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    p.add_argument("--merge", type=Path, default=None,
+                   help="JSON of an earlier run: its engines join this table (those this "
+                        "run measures again are replaced), for a plan split across calls")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"JSON path (default {DEFAULT_OUT.relative_to(REPO)}; "
+                        "dry run: MODEL_DIR/gpu_step_dry_run.json)")
+    return resolve_defaults(p, p.parse_args(argv))
+
+
+def resolve_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill what --quick changes, then reject values the plan cannot use."""
+    quick = args.quick
+    args.batches = args.batches or ([1, 8] if quick else [1, 8, 32])
+    args.budgets = args.budgets or ([16, 64] if quick else [16, 32, 64, 128, 256])
+    args.short_len = args.short_len or (16 if quick else 32)
+    args.long_len = args.long_len or (64 if quick else 160)
+    args.repeats = args.repeats or (1 if quick else 3)
+    args.tree_ops_iters = args.tree_ops_iters or (10 if quick else 20)
+    if args.long_len <= args.short_len:
+        p.error(f"--long-len {args.long_len} must exceed --short-len {args.short_len}")
+    if bad := sorted(set(args.runners) - {"v1", "v2"}):
+        p.error(f"--runners: unknown {bad}; allowed v1, v2")
+    if bad := sorted(set(args.methods) - {"plain", "chain", "ddtree"}):
+        p.error(f"--methods: unknown {bad}; allowed plain, chain, ddtree")
+    if min(args.batches) < 1 or min(args.budgets) < 1 or args.prompt_len < 1:
+        p.error("batches, budgets and --prompt-len must be >= 1")
+    # Room for the prompt, the long output and the widest verify step's lookahead slots.
+    need = args.prompt_len + args.long_len + max(args.budgets) + BLOCK_SIZE + 1
+    args.max_model_len = args.max_model_len or max(4096, -(-need // 1024) * 1024)
+    if args.max_model_len < need:
+        p.error(f"--max-model-len {args.max_model_len} < {need} (prompt + output + budget)")
+    args.max_num_seqs = max(32, max(args.batches))
+    # vLLM's offline default on an H200 (16384) unless the widest verify batch needs more.
+    args.max_num_batched_tokens = max(16384, max(args.batches) * (max(args.budgets) + 1))
+    return args
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One engine: a model runner and a decoding method (a budget for DDTree)."""
+
+    runner: str  # "v1" | "v2"
+    method: str  # "plain" | "chain" | "ddtree"
+    budget: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-b{self.budget}" if self.budget else self.method
+
+    @property
+    def speculative(self) -> bool:
+        return self.method != "plain"
+
+    def speculative_config(self, drafter: Path) -> dict[str, Any] | None:
+        if self.method == "chain":  # the drafter's full block: bonus slot + 15 masks
+            return {"method": "dflash", "model": str(drafter),
+                    "num_speculative_tokens": BLOCK_SIZE - 1}
+        if self.method == "ddtree":
+            return {"method": "ddtree", "model": str(drafter), "ddtree_budget": self.budget}
+        return None
+
+
+def load_previous(path: Path | None, runs: list[EngineRun]) -> tuple[list[dict], list[dict]]:
+    """Engine records and tree-ops rows of an earlier call, minus the engines measured again."""
+    if path is None:
+        return [], []
+    fresh = {(r.runner, r.method, r.budget) for r in runs}
+    old = json.loads(path.read_text())
+    kept = [r for r in old["runs"] if (r["runner"], r["method"], r["budget"]) not in fresh]
+    for r in kept:
+        r.setdefault("merged_from", str(path))
+    log(f"merged {len(kept)} engine records and {len(old['tree_ops'])} tree-ops rows from {path}")
+    return kept, old["tree_ops"]
+
+
+def merge_ops(old: list[dict], new: list[dict]) -> list[dict]:
+    fresh = {(r["batch"], r["budget"]) for r in new}
+    rows = [r for r in old if (r["batch"], r["budget"]) not in fresh] + new
+    return sorted(rows, key=lambda r: (r["batch"], r["budget"]))
+
+
+def plan_runs(args: argparse.Namespace) -> list[EngineRun]:
+    runs = [EngineRun(r, m) for r in args.runners for m in ("plain", "chain")
+            if m in args.methods]
+    if "ddtree" in args.methods:
+        runs += [EngineRun("v1", "ddtree", b) for b in args.budgets]
+    return runs
+
+
+def verify_width(run: EngineRun) -> int:
+    """Query tokens per request in one verify step (the chain's is the drafter block)."""
+    return {"plain": 1, "chain": BLOCK_SIZE}.get(run.method, (run.budget or 0) + 1)
+
+
+def guess_step_ms(run: EngineRun, batch: int, runner_factor: float = 1.0) -> float:
+    """Toy cost model (fitted by eye to bench_tree_ops's H200 verify steps): weights
+    read once, then about 0.031 ms per verify token; drafter and tree ops on top."""
+    ms = 5.2 + 0.031 * batch * verify_width(run)
+    if run.speculative:
+        ms += 1.0 + 0.02 * batch  # one 5-layer drafter pass over 16 slots per request
+    if run.method == "ddtree":
+        ms += 1.3 + 0.07 * batch  # tree build + walk + compaction
+    return ms * runner_factor
+
+
+def print_plan(runs: list[EngineRun], drafter: Path, args: argparse.Namespace) -> None:
+    steps = (1 + args.repeats) * args.short_len + args.repeats * args.long_len
+    log(f"plan: {len(runs)} engines x batches {args.batches}; per batch 1 warm-up "
+        f"({args.short_len} tokens) + {args.repeats} x ({args.short_len}, {args.long_len}) "
+        f"tokens; prompt {args.prompt_len} tokens, max_model_len {args.max_model_len}, "
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")
+    total_s = 0.0
+    for i, run in enumerate(runs, 1):
+        decode_s = sum(steps * guess_step_ms(run, b) / 1e3 for b in args.batches)
+        total_s += ENGINE_START_S + decode_s
+        log(f"  {i:2d}. runner {run.runner}  {run.name:<12} "
+            f"spec {json.dumps(run.speculative_config(drafter))}  "
+            f"~{ENGINE_START_S} s start + ~{decode_s:.0f} s decoding")
+    if not args.no_tree_ops:
+        n = len(args.batches) * len(args.budgets) if "ddtree" in args.methods else 0
+        total_s += 6 * n
+        log(f"  tree ops: {n} (batch, budget) shapes, ~6 s each")
+    log(f"rough total: {total_s / 60:.0f} min (engine starts counted at {ENGINE_START_S} s)")
+
+
+# ----------------------------------------------------------------------- checkpoints
+
+
+def write_models(model_dir: Path) -> tuple[Path, Path]:
+    """config.json-only target and drafter; vLLM fills the weights (load_format=dummy)."""
+    target = model_dir / "qwen3-8b-shape-dummy"
+    drafter = model_dir / f"dflash-qwen3-8b-shape-b{BLOCK_SIZE}-dummy"  # "dflash" in the path
+    target_cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                  "num_hidden_layers": LAYERS, **QWEN3_8B_SHAPE}
+    # The keys vllm_ddtree.tiny_models.make_dflash_drafter writes, at Qwen3-8B size.
+    drafter_cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                   "num_hidden_layers": DRAFTER_LAYERS, **QWEN3_8B_SHAPE,
+                   "block_size": BLOCK_SIZE, "num_target_layers": LAYERS,
+                   "dflash_config": {"mask_token_id": MASK_TOKEN_ID,
+                                     "target_layer_ids": TARGET_LAYER_IDS}}
+    for path, cfg in ((target, target_cfg), (drafter, drafter_cfg)):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return target, drafter
+
+
+def make_prompts(batch: int, prompt_len: int) -> list[dict[str, list[int]]]:
+    """Distinct fixed-seed token-id prompts (vLLM's TokensPrompt is this dict)."""
+    return [{"prompt_token_ids": [random.Random(i).randrange(PROMPT_TOKEN_MAX)
+                                  for _ in range(prompt_len)]} for i in range(batch)]
+
+
+# --------------------------------------------------------------------- measurement
+
+
+@dataclass
+class Sample:
+    """One timed generate call and the metric deltas around it."""
+
+    max_tokens: int
+    seconds: float
+    tokens: int  # generated, all requests
+    drafts: int  # spec_decode_num_drafts: one per request per verify step
+    accepted: int  # spec_decode_num_accepted_tokens
+    iterations: int | None  # engine steps (prefill included), from iteration_tokens_total
+
+
+def read_counters(llm) -> dict[str, float]:
+    out = {"drafts": 0.0, "accepted": 0.0, "iterations": float("nan")}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out["drafts"] += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] += m.value
+        elif m.name.startswith("vllm:iteration_tokens") and hasattr(m, "count"):
+            out["iterations"] = m.count
+    return out
+
+
+def timed_generate(llm, prompts: list[dict], max_tokens: int) -> Sample:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
+    before = read_counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = read_counters(llm)
+    d = {k: after[k] - before[k] for k in after}
+    return Sample(max_tokens, seconds, sum(len(o.outputs[0].token_ids) for o in outputs),
+                  int(d["drafts"]), int(d["accepted"]),
+                  None if math.isnan(d["iterations"]) else int(d["iterations"]))
+
+
+def step_estimate(short: Sample, long: Sample, batch: int, speculative: bool) -> dict:
+    """Decode-only cost: the long call's extra time over its extra steps (prefill cancels)."""
+    def steps(s: Sample) -> float:  # per request; all requests advance together
+        return s.drafts / batch if speculative else s.tokens / batch
+
+    d_steps, d_s = steps(long) - steps(short), long.seconds - short.seconds
+    d_drafts, d_acc = long.drafts - short.drafts, long.accepted - short.accepted
+    d_iter = (long.iterations - short.iterations
+              if long.iterations is not None and short.iterations is not None else 0)
+    ms = 1e3 * d_s / d_steps if d_steps > 0 else float("nan")
+    tok = 1 + d_acc / d_drafts if speculative and d_drafts > 0 else 1.0
+    return {"steps": d_steps, "ms_per_step": ms, "tokens_per_step": tok,
+            "ms_per_token": ms / tok,
+            "ms_per_iteration": 1e3 * d_s / d_iter if d_iter > 0 else float("nan")}
+
+
+def measure_batch(run_call: Callable[[list[dict], int], Sample], run: EngineRun, batch: int,
+                  args: argparse.Namespace) -> dict:
+    prompts = make_prompts(batch, args.prompt_len)
+    # Warm-up: first use of this batch's shapes, and it fills the prefix cache so both
+    # timed calls prefill the same (cached) way.
+    run_call(prompts, args.short_len)
+    pairs = [(run_call(prompts, args.short_len), run_call(prompts, args.long_len))
+             for _ in range(args.repeats)]
+    estimates = [step_estimate(s, lg, batch, run.speculative) for s, lg in pairs]
+    row: dict[str, Any] = {"batch": batch}
+    for key in ("ms_per_step", "tokens_per_step", "ms_per_token", "ms_per_iteration"):
+        row[key] = statistics.median(e[key] for e in estimates)
+    row["steps_per_pair"] = estimates[0]["steps"]
+    row["estimates"] = estimates
+    row["samples"] = [[asdict(s), asdict(lg)] for s, lg in pairs]
+    if row["steps_per_pair"] < 16:
+        log(f"    warning: only {row['steps_per_pair']:.1f} steps between the two lengths "
+            "(high acceptance?): raise --long-len")
+    return row
+
+
+def make_engine(run: EngineRun, target: Path, drafter: Path, args: argparse.Namespace):
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=str(target), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=0, disable_log_stats=False, speculative_config=run.speculative_config(drafter))
+    if args.sync_scheduling:
+        kwargs["async_scheduling"] = False
+    if not args.all_capture_sizes:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(run, args)}
+    return LLM(**kwargs)
+
+
+def capture_sizes(run: EngineRun, args: argparse.Namespace) -> list[int]:
+    """CUDA-graph sizes this plan uses: verify (and drafter) widths x batches.
+
+    Capturing only these keeps each engine's start short; steps above
+    MAX_CAPTURE tokens run the compiled model without graphs, as vLLM does
+    past its own largest size."""
+    widths = {verify_width(run)} | ({BLOCK_SIZE} if run.speculative else set())
+    sizes = {w * b for w in widths for b in args.batches}
+    return sorted(x for x in sizes if x <= MAX_CAPTURE) or [1]
+
+
+def engine_facts(llm) -> dict[str, Any]:
+    """Settings vLLM resolved itself, which decide what a step costs."""
+    cfg = llm.llm_engine.vllm_config
+    probes = {
+        "async_scheduling": lambda: cfg.scheduler_config.async_scheduling,
+        "max_num_batched_tokens": lambda: cfg.scheduler_config.max_num_batched_tokens,
+        "cudagraph_mode": lambda: str(cfg.compilation_config.cudagraph_mode),
+        "max_cudagraph_capture_size": lambda: cfg.compilation_config.max_cudagraph_capture_size,
+        "num_cudagraph_sizes": lambda: len(cfg.compilation_config.cudagraph_capture_sizes),
+        "kv_block_size": lambda: cfg.cache_config.block_size,
+        "num_gpu_blocks": lambda: cfg.cache_config.num_gpu_blocks,
+        "enable_prefix_caching": lambda: cfg.cache_config.enable_prefix_caching,
+    }
+    facts = {}
+    for key, probe in probes.items():
+        try:
+            facts[key] = probe()
+        except Exception:  # attribute moved in another vLLM version: record nothing
+            facts[key] = None
+    return facts
+
+
+def shutdown_engine(llm) -> None:
+    """Stop the engine-core process now, so the next engine gets the GPU memory."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:
+        log(f"  shutdown: {exc!r}")
+
+
+def wait_for_gpu_release(timeout_s: float = 90.0) -> None:
+    """Poll nvidia-smi (no CUDA context here) until the last engine's memory is back;
+    the next engine asks for 85% of the GPU and fails if it is not free yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        used = gpu_query("memory.used,memory.total")
+        if used is None:
+            time.sleep(5)
+            return
+        mib, total = (float(x) for x in used.split(","))
+        if mib < 0.1 * total or time.monotonic() > deadline:
+            if mib >= 0.1 * total:
+                log(f"  GPU memory still {mib:.0f} of {total:.0f} MiB in use")
+            return
+        time.sleep(1)
+
+
+def new_record(run: EngineRun, drafter: Path) -> dict[str, Any]:
+    return {"runner": run.runner, "method": run.method, "budget": run.budget,
+            "speculative_config": run.speculative_config(drafter), "rows": [], "error": None}
+
+
+def run_engine(run: EngineRun, target: Path, drafter: Path, args: argparse.Namespace) -> dict:
+    """Start one engine, measure every batch, shut it down; errors become records."""
+    record = new_record(run, drafter)
+    # The engine core is a fresh process that reads this when it starts.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if run.runner == "v2" else "0"
+    start = time.perf_counter()
+    log(f"engine {run.runner} {run.name}: starting")
+    try:
+        llm = make_engine(run, target, drafter, args)
+    except Exception as exc:
+        record.update(error=f"engine start: {describe(exc)}", traceback=traceback.format_exc())
+        print(record["traceback"], flush=True)
+        return record
+    record["start_s"] = time.perf_counter() - start
+    record["engine"] = engine_facts(llm)
+    log(f"engine {run.runner} {run.name}: up in {record['start_s']:.0f} s {record['engine']}")
+
+    def call(prompts: list[dict], max_tokens: int) -> Sample:
+        return timed_generate(llm, prompts, max_tokens)
+
+    try:
+        for batch in args.batches:
+            try:
+                row = measure_batch(call, run, batch, args)
+                log(f"  batch {batch}: {row['ms_per_step']:.3f} ms/step, "
+                    f"{row['tokens_per_step']:.2f} tokens/step")
+            except Exception as exc:
+                row = {"batch": batch, "error": describe(exc), "traceback": traceback.format_exc()}
+                print(row["traceback"], flush=True)
+            record["rows"].append(row)
+    finally:
+        shutdown_engine(llm)
+        del llm
+        gc.collect()
+    record["total_s"] = time.perf_counter() - start
+    return record
+
+
+# ------------------------------------------------------------------- plugin share
+
+
+def tree_ops_args(ops_bench, args: argparse.Namespace) -> argparse.Namespace:
+    """bench_tree_ops's own arguments at this run's shapes."""
+    return ops_bench.parse_args([
+        "--max-depth", str(BLOCK_SIZE - 1), "--vocab", str(VOCAB), "--layers", str(LAYERS),
+        "--context", str(args.prompt_len), "--page-size", "16",
+        "--iters", str(args.tree_ops_iters)])
+
+
+def import_tree_ops():
+    sys.path.insert(0, str(BENCH_DIR))
+    import bench_tree_ops
+
+    return bench_tree_ops
+
+
+def run_tree_ops(args: argparse.Namespace) -> list[dict]:
+    """Tree ops per step at every (batch, budget). Runs after the last engine: CUDA
+    starts in this process only now, so no engine had to share the GPU with it."""
+    ops_bench = import_tree_ops()
+    ops_args = tree_ops_args(ops_bench, args)
+    rows = []
+    for batch in args.batches:
+        for budget in args.budgets:
+            log(f"tree ops: batch {batch}, budget {budget}")
+            try:
+                rows.append(ops_bench.measure_ops(batch, budget, ops_args))
+            except Exception as exc:
+                rows.append({"batch": batch, "budget": budget, "error": describe(exc),
+                             "traceback": traceback.format_exc()})
+                print(rows[-1]["traceback"], flush=True)
+            ops_bench.torch.cuda.empty_cache()
+    return rows
+
+
+def add_shares(ops_rows: list[dict], records: list[dict]) -> None:
+    """Tree-ops time as a percentage of the DDTree step measured in vLLM."""
+    steps = {(r["budget"], row["batch"]): row["ms_per_step"] for r in records
+             if r["method"] == "ddtree" for row in r["rows"] if "ms_per_step" in row}
+    for row in ops_rows:
+        step = steps.get((row["budget"], row["batch"]))
+        row["ddtree_step_ms"] = step
+        for mode in ("graph", "eager"):
+            ops = row.get(f"ops_{mode}_ms")
+            ok = step is not None and ops is not None and step == step and step > 0
+            row[f"share_{mode}_pct"] = 100 * ops / step if ok else None
+
+
+# ------------------------------------------------------------------------- output
+
+
+def add_ratios(records: list[dict]) -> None:
+    """Each row's step time over the plain and the chain step, same runner and batch."""
+    ref = {(r["runner"], r["method"], row["batch"]): row["ms_per_step"] for r in records
+           for row in r["rows"] if "ms_per_step" in row}
+    for r in records:
+        for row in r["rows"]:
+            for base in ("plain", "chain"):
+                other = ref.get((r["runner"], base, row["batch"]))
+                mine = row.get("ms_per_step")
+                row[f"x_{base}"] = mine / other if mine and other else None
+
+
+def fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return format(value, spec)
+
+
+def step_table(records: list[dict]) -> str:
+    lines = ["| runner | method | budget | batch | ms/step | tokens/step | ms/token "
+             "| x plain step | x chain step | note |", "|" + "---|" * 10]
+    for r in records:
+        head = f"| {r['runner']} | {r['method']} | {r['budget'] or '-'} "
+        if r["error"]:
+            lines.append(head + "| - " * 6 + f"| {short_error(r['error'])} |")
+        for row in r["rows"]:
+            lines.append(head + f"| {row['batch']} | {fmt(row.get('ms_per_step'), '.3f')} "
+                         f"| {fmt(row.get('tokens_per_step'), '.2f')} "
+                         f"| {fmt(row.get('ms_per_token'), '.3f')} "
+                         f"| {fmt(row.get('x_plain'), '.2f')} | {fmt(row.get('x_chain'), '.2f')} "
+                         f"| {short_error(row.get('error'))} |")
+    return "\n".join(lines)
+
+
+def share_table(ops_rows: list[dict]) -> str:
+    lines = ["| batch | budget | DDTree ms/step | ops ms (graph) | share | ops ms (eager) "
+             "| share | build | walk | compact (graph ms) | note |", "|" + "---|" * 11]
+    for row in ops_rows:
+        g, e = row.get("share_graph_pct"), row.get("share_eager_pct")
+        lines.append(
+            f"| {row['batch']} | {row['budget']} | {fmt(row.get('ddtree_step_ms'), '.3f')} "
+            f"| {fmt(row.get('ops_graph_ms'), '.3f')} | {fmt(g, '.1f')}{' %' if g else ''} "
+            f"| {fmt(row.get('ops_eager_ms'), '.3f')} | {fmt(e, '.1f')}{' %' if e else ''} "
+            f"| {fmt(row.get('build_graph_ms'), '.3f')} | {fmt(row.get('walk_graph_ms'), '.3f')} "
+            f"| {fmt(row.get('compact_graph_ms'), '.3f')} | {short_error(row.get('error'))} |")
+    return "\n".join(lines)
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def short_error(error: str | None) -> str:
+    return "" if not error else error.splitlines()[0][:80].replace("|", "/")
+
+
+def gpu_query(fields: str) -> str | None:
+    command = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=20,
+                             check=True).stdout.strip()
+        return out.splitlines()[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(dry_run: bool) -> dict[str, Any]:
+    from importlib import metadata
+
+    env: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "gpu": gpu_query("name,driver_version"),
+        "dry_run": dry_run,
+    }
+    for key, dist in (("torch", "torch"), ("vllm", "vllm"), ("vllm_ddtree", "vllm-ddtree"),
+                      ("triton", "triton")):
+        try:
+            env[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            env[key] = None
+    if "vllm" in sys.modules:  # the module that actually ran, whatever pip metadata says
+        env["vllm"] = sys.modules["vllm"].__version__
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        env["torch_cuda"] = torch.version.cuda
+        if env["gpu"] is None and torch.cuda.is_initialized():
+            env["gpu"] = torch.cuda.get_device_name()
+    try:
+        env["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        env["git"] = None
+    env["env"] = {k: v for k, v in os.environ.items()
+                  if k.startswith(("VLLM_USE_FLASHINFER", "VLLM_ATTENTION", "CUDA_VISIBLE"))}
+    return env
+
+
+def save(path: Path, args: argparse.Namespace, records: list[dict], ops_rows: list[dict],
+         env: dict[str, Any]) -> None:
+    """Rewritten after every engine, so a run cut short keeps what it measured."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    path.write_text(json.dumps(no_nan({
+        "environment": env, "arguments": arguments,
+        "note": "ms per decode step = (long - short wall time) / (long - short steps); "
+                "dummy weights, so acceptance is near zero and these are step costs",
+        "runs": records, "tree_ops": ops_rows,
+        "table_markdown": step_table(records), "share_markdown": share_table(ops_rows),
+    }), indent=1, default=str) + "\n")
+
+
+def no_nan(value: Any) -> Any:
+    """NaN (no steps, no histogram) as null, so the file is strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [no_nan(v) for v in value]
+    return value
+
+
+# -------------------------------------------------------------------------- dry run
+
+
+def fake_call(run: EngineRun, batch: int, args: argparse.Namespace):
+    """A stand-in for generate() from the toy cost model: the summarising, table and
+    JSON code runs on it exactly as on real samples."""
+    def call(prompts: list[dict], max_tokens: int) -> Sample:
+        factor = 0.95 if run.runner == "v2" else 1.0
+        steps = max_tokens - 1  # the prefill step gives the first token
+        seconds = 0.05 * batch + steps * guess_step_ms(run, batch, factor) / 1e3
+        drafts = batch * steps if run.speculative else 0
+        return Sample(max_tokens, seconds, batch * max_tokens, drafts, drafts // 20,
+                      steps + 2)
+    return call
+
+
+def fake_tree_ops(args: argparse.Namespace) -> list[dict]:
+    ops_bench = import_tree_ops()
+    tree_ops_args(ops_bench, args)  # check the reuse path: parser and entry point exist
+    if not callable(getattr(ops_bench, "measure_ops", None)):
+        raise RuntimeError("bench_tree_ops.measure_ops is gone; update run_tree_ops")
+    return [{"batch": b, "budget": k, "ops_graph_ms": 1.3 + 0.07 * b,
+             "ops_eager_ms": 5.0 + 0.08 * b, "build_graph_ms": 0.3 + 0.07 * b,
+             "walk_graph_ms": 0.3, "compact_graph_ms": 0.7}
+            for b in args.batches for k in args.budgets]
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out = args.out or (args.model_dir / "gpu_step_dry_run.json" if args.dry_run else DEFAULT_OUT)
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local paths only; never wait on a hub
+    target, drafter = write_models(args.model_dir)
+    log(f"target {target}\n          drafter {drafter}")
+    runs = plan_runs(args)
+    print_plan(runs, drafter, args)
+    env = environment(args.dry_run)
+    records, ops_rows = load_previous(args.merge, runs)
+    for i, run in enumerate(runs, 1):
+        log(f"[{i}/{len(runs)}] {run.runner} {run.name}")
+        if args.dry_run:
+            record = new_record(run, drafter)
+            record["rows"] = [measure_batch(fake_call(run, b, args), run, b, args)
+                              for b in args.batches]
+        else:
+            record = run_engine(run, target, drafter, args)
+            gc.collect()
+            wait_for_gpu_release()
+        records.append(record)
+        add_ratios(records)
+        save(out, args, records, ops_rows, env)
+    if not args.no_tree_ops and any(r["method"] == "ddtree" for r in records):
+        new_ops = fake_tree_ops(args) if args.dry_run else run_tree_ops(args)
+        ops_rows = merge_ops(ops_rows, new_ops)
+    add_shares(ops_rows, records)
+    env = environment(args.dry_run)  # again, now naming the vLLM and torch that ran
+    save(out, args, records, ops_rows, env)
+    title = "DRY RUN: synthetic numbers from a toy cost model, not measurements. " \
+        if args.dry_run else ""
+    print(f"\n## {title}Step cost, Qwen3-8B shape, dummy weights, prompt {args.prompt_len}, "
+          f"{env['gpu'] or 'GPU ?'}, vLLM {env['vllm']}\n")
+    print(step_table(records))
+    if ops_rows:
+        print("\n## DDTree tree ops (bench_tree_ops.measure_ops) as a share of the DDTree step\n")
+        print(share_table(ops_rows))
+    log(f"wrote {out}")
+    return {"runs": records, "tree_ops": ops_rows}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+#!/bin/bash
+# Device side of the GPU checks, run on the lent H200 from the repository root in the
+# call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md):
+#   bash scripts/gpu_check.sh [tests|bench|all] [extra pytest or benchmark args]
+# Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
+# the step-cost benchmark, and keeps logs and results under $OUT (or ./gpu-out).
+set -uo pipefail
+what=${1:-all}; shift || true
+out=${OUT:-gpu-out}; mkdir -p "$out"
+bash .gpukit/install_vllm_kit.sh || exit 1
+export PYTHONPATH=/root/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 \
+  VLLM_CACHE_ROOT=/root/vllm-cache PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+# Register the plugin's entry point without a build (no network for build dependencies).
+dist=/root/site/vllm_ddtree-0.0.dev0.dist-info; mkdir -p "$dist"
+printf 'Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.0.dev0\n' > "$dist/METADATA"
+printf '[vllm.general_plugins]\nddtree = vllm_ddtree:register\n' > "$dist/entry_points.txt"
+export PYTHONPATH=/root/site:$PWD
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -rA -p no:cacheprovider -n "${WORKERS:-8}" \
+    tests/test_gpu_e2e.py "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -v "^INFO\|^(EngineCore" | tail -60
+  rc=${PIPESTATUS[0]}
+  echo "gpu tests exit code: $rc"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_gpu_step.py --out "$out/gpu_step.json" \
+    ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v "^INFO\|^(EngineCore" | tail -40
+  brc=${PIPESTATUS[0]}; echo "bench exit code: $brc"; [ "$rc" = 0 ] && rc=$brc
+fi
+exit "$rc"

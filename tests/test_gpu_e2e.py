@@ -1,0 +1,199 @@
+"""DDTree inside vLLM on CUDA: greedy output, bf16 match rate, chain equivalence.
+
+Runs on a GPU with vLLM for CUDA (skipped elsewhere). Every DDTree engine here
+runs with ``VLLM_DDTREE_CHECK_SYNC=1``, so any host-device synchronisation in
+the plugin's part of a step (tree build, depth positions, tree attention,
+walk, compaction) raises and fails the test.
+
+- float32 (vLLM picks TRITON_ATTN, whose DDTree subclass runs the tree
+  kernel): greedy DDTree equals non-speculative greedy, eager and with
+  torch.compile + CUDA graphs, for budgets {1, 7, 8, 16, 17, 31, 64} at batch
+  16 and batch 1, drafts scripted from the reference (tests/scripted_drafter.py)
+  so trees are accepted partially and fully at many depths and sibling ranks.
+  On the GPU a verify step's GEMMs have other shapes than a decode step's, so
+  float32 rounding differs in the last bits; a sequence may therefore leave
+  the reference only where the reference's two best tokens are tied to 1e-3,
+  and at most two of sixteen may;
+- bfloat16 (FLASH_ATTN): the share of identical tokens, and every divergence
+  starts where the reference's two best tokens are nearly tied;
+- ``ddtree_topk_cap: 1`` with budget = block_size - 1 reproduces vLLM's native
+  DFlash chain: same tokens, same draft and acceptance counters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import scripted_drafter
+from tests.e2e_utils import PROMPTS, greedy, make_llm, prompt_ids, shutdown, spec_metrics
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+BLOCK = 8
+MAX_TOKENS = 24
+BUDGETS = [1, 7, 8, 16, 17, 31, 64]
+PROMPTS16 = PROMPTS + [f"{p} {p}" for p in PROMPTS]
+GPU_KW = dict(
+    # Several engines share the GPU under pytest-xdist: a fixed KV cache size
+    # keeps their memory profiles from seeing one another.
+    gpu_memory_utilization=0.05, kv_cache_memory_bytes=512 << 20, max_num_seqs=16,
+    max_model_len=512,
+)
+# A greedy divergence must start where the reference's two best tokens are this
+# close in log-probability: a tie within rounding, which a different reduction
+# order (GEMM shapes change with the verify width; tree vs decode attention) flips.
+FLOAT32_NEAR_TIE = 1e-3
+BF16_NEAR_TIE = 0.25  # two bf16 steps of a logit in [16, 32)
+
+
+@pytest.fixture(scope="module")
+def gpu_qwen3(tiny_models_dir):
+    """Random Qwen3 target with head size 64, which FlashAttention 3 supports."""
+    from vllm_ddtree import tiny_models as tm
+
+    return tm.make_target(tiny_models_dir / "qwen3_hd64", "qwen3", hidden_size=128,
+                          head_dim=64)
+
+
+@pytest.fixture(autouse=True)
+def v1_runner_and_sync_check(monkeypatch):
+    """Every engine on the V1 runner (DDTree's), the host-sync check on, and
+    float32 dot products in full float32."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setenv("VLLM_DDTREE_CHECK_SYNC", "1")
+    # Triton's float32 dot defaults to TF32 (10-bit mantissa), and TRITON_ATTN's
+    # kernels use that default: the non-speculative reference then carries ~1e-3
+    # relative error, enough to flip a 7e-3 logit gap (seen on the H200). Full
+    # float32 in every engine makes "identical up to float32 rounding" testable.
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+
+
+def gpu_llm(model, speculative_config=None, *, graphs: bool, **kw):
+    return make_llm(
+        str(model), speculative_config, enforce_eager=not graphs, **{**GPU_KW, **kw}
+    )
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["eager", "graphs"])
+def reference(request, gpu_qwen3):
+    """Non-speculative greedy outputs (float32) in one compilation mode."""
+    graphs = request.param
+    llm = gpu_llm(gpu_qwen3, graphs=graphs)
+    try:
+        ids = prompt_ids(llm, PROMPTS16)
+        outputs = greedy_with_top2(llm, PROMPTS16)
+    finally:
+        shutdown(llm)
+    return graphs, dict(zip(ids, [o[0] for o in outputs])), outputs
+
+
+def greedy_with_top2(llm, prompts):
+    """(token ids, per-token {token: logprob} of the two best) for each prompt."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (list(o.outputs[0].token_ids),
+         [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+        for o in outputs
+    ]
+
+
+def assert_identical_or_near_tie(got, reference, near_tie: float) -> int:
+    """Each sequence equals the reference, or first differs where the reference's two
+    best tokens are within ``near_tie`` in log-probability and DDTree took the other
+    one (a flip that rounding in a different GEMM / attention order can cause).
+    Returns the number of identical sequences."""
+    identical = 0
+    for g, (expected, top2) in zip(got, reference, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(g, expected)) if a != b), None)
+        if first is None:
+            assert len(g) == len(expected)
+            identical += 1
+            continue
+        best = sorted(top2[first].values(), reverse=True)
+        gap = best[0] - best[1]
+        print(f"  diverged at token {first}: reference top-2 gap {gap:.3g}")
+        assert g[first] in top2[first], f"token {first}: {g[first]} is not a top-2 token"
+        assert gap <= near_tie, f"token {first}: diverged at a clear choice (gap {gap:.3g})"
+    print(f"identical sequences: {identical}/{len(got)}")
+    return identical
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_greedy_identical_float32(
+    gpu_qwen3, make_drafter, reference, monkeypatch, tmp_path, budget
+):
+    graphs, references, expected = reference
+    scripted_drafter.install(monkeypatch, tmp_path, references)
+    drafter = make_drafter(gpu_qwen3, BLOCK)
+    config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
+              "ddtree_topk_cap": 4 if budget % 2 else None}
+    llm = gpu_llm(gpu_qwen3, config, graphs=graphs)
+    try:
+        batch16 = greedy(llm, PROMPTS16, MAX_TOKENS)
+        batch1 = greedy(llm, PROMPTS16[3:4], MAX_TOKENS)
+        metrics = spec_metrics(llm)
+    finally:
+        shutdown(llm)
+    identical = assert_identical_or_near_tie(batch16, expected, FLOAT32_NEAR_TIE)
+    assert identical >= len(PROMPTS16) - 2
+    assert_identical_or_near_tie(batch1, expected[3:4], FLOAT32_NEAR_TIE)
+    # Trees were verified and accepted beyond depth 1 (the script accepts most drafts).
+    assert metrics["num_drafts"] > 0
+    assert metrics["num_accepted_tokens"] > metrics["num_drafts"] * min(budget, 2) / 2
+
+
+def test_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path):
+    kw = dict(dtype="bfloat16", graphs=True)
+    llm = gpu_llm(gpu_qwen3, **kw)
+    try:
+        ids = prompt_ids(llm, PROMPTS16)
+        reference = greedy_with_top2(llm, PROMPTS16)
+    finally:
+        shutdown(llm)
+    expected = [r[0] for r in reference]
+    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, expected)))
+    drafter = make_drafter(gpu_qwen3, BLOCK)
+    config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": 16}
+    llm = gpu_llm(gpu_qwen3, config, **kw)
+    try:
+        got = greedy(llm, PROMPTS16, MAX_TOKENS)
+    finally:
+        shutdown(llm)
+    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    total = sum(len(e) for e in expected)
+    print(f"bf16 greedy match: {same}/{total} tokens")
+    assert_identical_or_near_tie(got, reference, BF16_NEAR_TIE)
+
+
+def test_topk_cap_1_is_the_native_dflash_chain(
+    tiny_llama_repetitive, make_drafter, monkeypatch
+):
+    """Cap 1 and budget = block_size - 1: the tree is DFlash's chain."""
+    drafter = make_drafter(tiny_llama_repetitive, BLOCK, mode="repeat")
+    runs = {}
+    for name, config in {
+        "dflash": {"method": "dflash", "model": str(drafter),
+                   "num_speculative_tokens": BLOCK - 1},
+        "ddtree": {"method": "ddtree", "model": str(drafter),
+                   "ddtree_budget": BLOCK - 1, "ddtree_topk_cap": 1},
+    }.items():
+        llm = gpu_llm(tiny_llama_repetitive, config, graphs=True)
+        try:
+            runs[name] = (greedy(llm, PROMPTS16, 48), spec_metrics(llm))
+        finally:
+            shutdown(llm)
+    (chain_out, chain_m), (tree_out, tree_m) = runs["dflash"], runs["ddtree"]
+    assert tree_out == chain_out
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                "num_accepted_tokens_per_pos"):
+        assert tree_m[key] == chain_m[key], key
+    assert chain_m["num_accepted_tokens"] > chain_m["num_drafts"]  # drafts were accepted

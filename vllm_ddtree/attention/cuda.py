@@ -1,0 +1,207 @@
+"""Tree attention on vLLM's CUDA backends (FLASH_ATTN and TRITON_ATTN).
+
+Each DDTree backend subclasses the platform backend and changes only the rows
+of requests that carry a tree; everything else (prefill, chunked prefill,
+plain decode, the drafter's own layers, the KV-cache write) stays the
+parent's:
+
+- a step in which every request is a tree verify (the steady state of
+  decoding) runs :func:`tree_attention_triton` over the whole batch and skips
+  the parent's kernel;
+- a mixed step (some requests prefilling) runs the parent over every row,
+  then recomputes the tree requests' rows with the tree kernel.
+
+The builders declare no CUDA-graph support for attention, so vLLM keeps
+attention outside its graphs (torch.compile + piecewise graphs): the verify
+rows' masks change every step and are read from the step's metadata.
+
+Both parents keep each layer's cache as ``[num_blocks, num_kv_heads,
+block_size, 2 * head_size]`` in logical order, K in the first half of the last
+dimension and V in the second; :func:`split_kv_cache` gives the strided
+``[num_blocks, block_size, num_kv_heads, head_size]`` views the kernel reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadata,
+    TritonAttentionMetadataBuilder,
+)
+
+from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
+from vllm_ddtree.attention.state import TreeAttentionInfo
+from vllm_ddtree.attention.triton_tree import tree_attention_triton
+from vllm_ddtree.sync import no_host_sync
+
+
+def split_kv_cache(
+    kv_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, 2 * head_size]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as strided ``[num_blocks, block_size, num_kv_heads, head_size]`` views."""
+    head_size = kv_cache.shape[-1] // 2
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return key_cache, value_cache
+
+
+def move_kv_slots(
+    kv_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    src_slots: torch.Tensor,  # [num_moves] int64
+    dst_slots: torch.Tensor,  # [num_moves] int64
+) -> None:
+    """cache[dst] = old cache[src] for K and V of every head, in place, no sync."""
+    block_size = kv_cache.shape[2]
+    per_slot = kv_cache.transpose(1, 2)  # [num_blocks, block_size, heads, 2 * head_size]
+    if per_slot.dtype.itemsize == 1 and per_slot.is_floating_point():
+        per_slot = per_slot.view(torch.uint8)  # fp8 caches move as raw bytes
+    # The right-hand side is a gather into a new tensor: every source is read
+    # before any destination is written, so overlapping moves are safe.
+    per_slot[dst_slots // block_size, dst_slots % block_size] = per_slot[
+        src_slots // block_size, src_slots % block_size
+    ]
+
+
+class TreeRowsImplMixin:
+    """``forward`` of a CUDA attention impl with ancestor-masked verify rows."""
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        tree: TreeAttentionInfo | None = getattr(attn_metadata, "tree", None)
+        if tree is None:
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )
+        if not getattr(self, "_ddtree_checked", False):
+            # Only layers that see trees (the target's) need the tree kernel's features.
+            check_tree_support(self, output_scale, output_block_scale)
+            self._ddtree_checked = True
+        if not tree.all_rows_are_tree_rows:
+            super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )
+        with no_host_sync(query.device):
+            self._tree_rows_forward(query, kv_cache, attn_metadata, tree, output)
+        return output
+
+    def _tree_rows_forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        tree: TreeAttentionInfo,
+        output: torch.Tensor,
+    ) -> None:
+        key_cache, value_cache = split_kv_cache(kv_cache)
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        rows = tree.gpu_rows
+        if rows is None:  # every row is a tree row: one call over the batch
+            num_reqs = tree.num_reqs
+            tree_attention_triton(
+                query, key_cache, value_cache,
+                attn_metadata.block_table[:num_reqs],
+                attn_metadata.seq_lens[:num_reqs],
+                attn_metadata.query_start_loc[: num_reqs + 1],
+                tree.packed_mask,
+                self.scale,
+                max_query_len=tree.width,
+                max_seq_len=attn_metadata.max_seq_len,
+                out=out,
+            )
+            return
+        reqs = tree.gpu_reqs
+        out[rows] = tree_attention_triton(
+            query[rows], key_cache, value_cache,
+            attn_metadata.block_table[reqs],
+            attn_metadata.seq_lens[reqs],
+            tree.gpu_query_start_loc,
+            tree.packed_mask[reqs],
+            self.scale,
+            max_query_len=tree.width,
+            max_seq_len=attn_metadata.max_seq_len,
+        )
+
+
+# --- FLASH_ATTN ---------------------------------------------------------------
+
+
+@dataclass
+class DDTreeFlashAttentionMetadata(FlashAttentionMetadata):
+    tree: TreeAttentionInfo | None = None
+
+
+class DDTreeFlashAttentionMetadataBuilder(
+    TreeMetadataBuilderMixin, FlashAttentionMetadataBuilder
+):
+    metadata_cls = DDTreeFlashAttentionMetadata
+
+
+class DDTreeFlashAttentionImpl(TreeRowsImplMixin, FlashAttentionImpl):
+    pass
+
+
+class DDTreeFlashAttentionBackend(FlashAttentionBackend):
+    """FLASH_ATTN plus ancestor-masked verify rows."""
+
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeFlashAttentionImpl]:
+        return DDTreeFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeFlashAttentionMetadataBuilder]:
+        return DDTreeFlashAttentionMetadataBuilder
+
+    move_kv_slots = staticmethod(move_kv_slots)
+
+
+# --- TRITON_ATTN --------------------------------------------------------------
+
+
+@dataclass
+class DDTreeTritonAttentionMetadata(TritonAttentionMetadata):
+    tree: TreeAttentionInfo | None = None
+
+
+class DDTreeTritonAttentionMetadataBuilder(
+    TreeMetadataBuilderMixin, TritonAttentionMetadataBuilder
+):
+    metadata_cls = DDTreeTritonAttentionMetadata
+
+
+class DDTreeTritonAttentionImpl(TreeRowsImplMixin, TritonAttentionImpl):
+    pass
+
+
+class DDTreeTritonAttentionBackend(TritonAttentionBackend):
+    """TRITON_ATTN plus ancestor-masked verify rows."""
+
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeTritonAttentionImpl]:
+        return DDTreeTritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeTritonAttentionMetadataBuilder]:
+        return DDTreeTritonAttentionMetadataBuilder
+
+    move_kv_slots = staticmethod(move_kv_slots)

@@ -1,0 +1,33 @@
+"""A debugging switch that proves the DDTree step never makes the host wait.
+
+With ``VLLM_DDTREE_CHECK_SYNC=1`` every DDTree hook on a CUDA device runs under
+``torch.cuda.set_sync_debug_mode("error")``: any operation that would block
+the host on the GPU (``.item()``, ``.tolist()``, boolean indexing, a pageable
+copy) raises instead. The GPU tests turn it on; users never need it. Seeded
+sampling and penalties read per-request host lists and are exempt only in the
+sense that they sync by design (as vLLM's own sampler does).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+ENV_VAR = "VLLM_DDTREE_CHECK_SYNC"
+
+
+@contextmanager
+def no_host_sync(device: torch.device | str) -> Iterator[None]:
+    """Inside the block, a host-device sync on ``device`` raises (when enabled)."""
+    if os.environ.get(ENV_VAR, "0") in ("", "0") or torch.device(device).type != "cuda":
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
