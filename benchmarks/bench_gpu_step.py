@@ -37,10 +37,11 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -498,7 +499,7 @@ def add_shares(ops_rows: list[dict], records: list[dict]) -> None:
         row["ddtree_step_ms"] = step
         for mode in ("graph", "eager"):
             ops = row.get(f"ops_{mode}_ms")
-            ok = step is not None and ops is not None and step == step and step > 0
+            ok = step is not None and ops is not None and not math.isnan(step) and step > 0
             row[f"share_{mode}_pct"] = 100 * ops / step if ok else None
 
 
@@ -518,7 +519,7 @@ def add_ratios(records: list[dict]) -> None:
 
 
 def fmt(value: Any, spec: str) -> str:
-    if value is None or (isinstance(value, float) and value != value):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return format(value, spec)
 
@@ -575,7 +576,7 @@ def environment(dry_run: bool) -> dict[str, Any]:
     from importlib import metadata
 
     env: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(), "gpu": gpu_query("name,driver_version"),
         "dry_run": dry_run,
     }

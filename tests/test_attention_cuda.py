@@ -201,7 +201,7 @@ def test_mixed_batch_parent_rows_then_tree_rows():
     for r in (1, 3):
         rows = slice(starts[r], starts[r] + batch.query_lens[r])
         torch.testing.assert_close(output[rows], one_request_oracle(batch, info, r))
-    parent_rows = [*range(0, 6), 10, 14, 15]
+    parent_rows = [*range(6), 10, 14, 15]
     assert bool((output[parent_rows] == PARENT_FILL).all())
 
 

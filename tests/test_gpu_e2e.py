@@ -26,7 +26,14 @@ import pytest
 import torch
 
 from tests import scripted_drafter
-from tests.e2e_utils import PROMPTS, greedy, make_llm, prompt_ids, shutdown, spec_metrics
+from tests.e2e_utils import (
+    PROMPTS,
+    greedy,
+    make_llm,
+    prompt_ids,
+    shutdown,
+    spec_metrics,
+)
 
 pytestmark = [
     pytest.mark.gpu,

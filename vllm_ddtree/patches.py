@@ -57,7 +57,10 @@ def _patch_create_speculative_config() -> None:
     from vllm.config import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_ddtree.spec_config import is_ddtree_request, make_ddtree_speculative_config
+    from vllm_ddtree.spec_config import (
+        is_ddtree_request,
+        make_ddtree_speculative_config,
+    )
 
     orig = _orig["create_speculative_config"] = EngineArgs.create_speculative_config
 

@@ -24,8 +24,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.attention.reference import tree_attention_reference
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
+from vllm_ddtree.attention.reference import tree_attention_reference
 from vllm_ddtree.attention.state import TreeAttentionInfo
 
 # Cache interiors this module knows how to read (see the module docstring).
