@@ -43,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device-name", default="cpu", help="label for the results file")
+    p.add_argument("--graphs", action="store_true",
+                   help="torch.compile + CUDA graphs (GPU); default enforce_eager, as the "
+                        "CPU backend needs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                   help="vLLM's memory share (on the CPU backend it sizes CPU memory)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -95,7 +100,8 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace) -> l
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(target), speculative_config=config, dtype=args.dtype,
-              enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=1024,
+              enforce_eager=not args.graphs,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024,
               disable_log_stats=False, seed=0)
     prompts = [llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     stem = args.out or RESULTS / f"e2e_{args.device_name}{'_quick' if args.quick else ''}"
     Path(f"{stem}.json").write_text(json.dumps(
         {"target": str(target), "drafter": str(drafter), "max_tokens": args.max_tokens,
-         "dtype": args.dtype, "results": results}, indent=1))
+         "dtype": args.dtype, "graphs": args.graphs, "results": results}, indent=1))
     if plot(results, Path(f"{stem}.png")):
         print(f"[bench] wrote {stem}.json and {stem}.png")
     else:
