@@ -14,6 +14,7 @@ walk, compaction) raises and fails the test.
   float32 rounding differs in the last bits; a sequence may therefore leave
   the reference only where the reference's two best tokens are tied to 1e-3,
   and at most two of sixteen may;
+- mixed steps (chunked prefill next to tree verification), same rule;
 - bfloat16 (FLASH_ATTN): the share of identical tokens, and every divergence
   starts where the reference's two best tokens are nearly tied;
 - ``ddtree_topk_cap: 1`` with budget = block_size - 1 reproduces vLLM's native
@@ -156,6 +157,32 @@ def test_greedy_identical_float32(
     # Trees were verified and accepted beyond depth 1 (the script accepts most drafts).
     assert metrics["num_drafts"] > 0
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"] * min(budget, 2) / 2
+
+
+def test_mixed_prefill_and_tree_steps(gpu_qwen3, make_drafter, monkeypatch, tmp_path):
+    """Long prompts prefill in 64-token chunks while the short ones already verify
+    trees, so steps mix prefill rows (the parent backend's kernel) with tree rows
+    (the tree kernel over gathered rows): the path a server takes when requests
+    arrive while others decode."""
+    prompts = [*PROMPTS, " ".join(PROMPTS) * 2, " ".join(reversed(PROMPTS)) * 3]
+    kw = dict(graphs=False, max_num_batched_tokens=64, enable_chunked_prefill=True,
+              enable_prefix_caching=False)
+    llm = gpu_llm(gpu_qwen3, **kw)
+    try:
+        ids = prompt_ids(llm, prompts)
+        reference = greedy_with_top2(llm, prompts)
+    finally:
+        shutdown(llm)
+    assert max(len(i) for i in ids) > 2 * 64  # the long prompts need several chunks
+    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [r[0] for r in reference])))
+    config = {"method": "ddtree", "model": str(make_drafter(gpu_qwen3, BLOCK)),
+              "ddtree_budget": 5, "ddtree_topk_cap": 2}
+    llm = gpu_llm(gpu_qwen3, config, **kw)
+    try:
+        got = greedy(llm, prompts, MAX_TOKENS)
+    finally:
+        shutdown(llm)
+    assert assert_identical_or_near_tie(got, reference, FLOAT32_NEAR_TIE) >= len(prompts) - 1
 
 
 def test_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path):
