@@ -30,8 +30,9 @@ def apply_all() -> None:
     _patch_sampling_params_validation()
     # 4. ...so the runner builds all of vLLM's logits processors for DDTree.
     _patch_build_logitsprocs()
-    # 5-10. Model runner: proposer and sampler, tree inputs, tree attention
-    #       metadata, compaction after the walk, tree ownership after drafting.
+    # 5-11. Model runner: proposer and sampler, tree-attention backends checked
+    #       once the KV cache is bound, tree inputs, tree attention metadata,
+    #       compaction after the walk, tree ownership after drafting.
     _patch_model_runner()
 
 
@@ -157,6 +158,7 @@ def _patch_model_runner() -> None:
 
     cls = GPUModelRunner
     orig_init = _orig["runner.__init__"] = cls.__init__
+    orig_init_kv = _orig["runner.initialize_kv_cache"] = cls.initialize_kv_cache
     orig_prepare = _orig["runner._prepare_inputs"] = cls._prepare_inputs
     orig_build = _orig["runner._build_attention_metadata"] = cls._build_attention_metadata
     orig_sample_tokens = _orig["runner.sample_tokens"] = cls.sample_tokens
@@ -166,6 +168,10 @@ def _patch_model_runner() -> None:
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
         ddtree_runner.install(self)
+
+    def initialize_kv_cache(self, *args, **kwargs):
+        orig_init_kv(self, *args, **kwargs)
+        ddtree_runner.check_tree_backends(self)
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         result = orig_prepare(self, scheduler_output, *args, **kwargs)
@@ -204,6 +210,7 @@ def _patch_model_runner() -> None:
         return draft_token_ids
 
     cls.__init__ = __init__
+    cls.initialize_kv_cache = initialize_kv_cache
     cls._prepare_inputs = _prepare_inputs
     cls._build_attention_metadata = _build_attention_metadata
     cls.sample_tokens = sample_tokens

@@ -155,6 +155,16 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
     _shift_positions(runner, step.row_start, step.num_scheduled, node - step.tree.depths)
 
 
+def check_tree_backends(runner: GPUModelRunner) -> None:
+    """At start-up (KV caches bound): every target attention layer has a DDTree
+    backend, so an unsupported backend fails now rather than at the first
+    verify step, with a request in flight."""
+    if getattr(runner, "ddtree_state", None) is None:
+        return
+    for _ in _target_kv_layers(runner):
+        pass
+
+
 def record_drafted_trees(runner: GPUModelRunner) -> None:
     """After drafting: the drafter's trees are in input-batch order."""
     state: DDTreeRunnerState = runner.ddtree_state
@@ -204,9 +214,11 @@ def _target_kv_layers(runner: GPUModelRunner):
             backend = getattr(layer, "attn_backend", None)
             if not hasattr(backend, "move_kv_slots"):
                 raise NotImplementedError(
-                    f"DDTree cannot compact the KV cache of layer {name}: its "
-                    f"attention backend {getattr(backend, '__name__', backend)} "
-                    "is not a DDTree backend."
+                    f"DDTree needs tree attention on every target layer, but layer "
+                    f"{name} uses {getattr(backend, '__name__', backend)}, which has "
+                    "none. DDTree backends: CPU_ATTN on CPU, FLASH_ATTN and "
+                    "TRITON_ATTN on CUDA (choose one with --attention-backend); "
+                    "MLA attention is not supported yet."
                 )
             yield name, kv_cache, backend
 
