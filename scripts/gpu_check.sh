@@ -1,9 +1,14 @@
 #!/bin/bash
 # Device side of the GPU checks, run on the lent H200 from the repository root in the
 # call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md):
-#   bash scripts/gpu_check.sh [tests|bench|all] [extra pytest or benchmark args]
+#   bash scripts/gpu_check.sh [tests|bench|all|e2e] [extra pytest args]
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
-# the step-cost benchmark, and keeps logs and results under $OUT (or ./gpu-out).
+# the step-cost benchmark (BENCH_ARGS), and keeps logs and results under $OUT (or
+# ./gpu-out). `e2e` runs benchmarks/bench_e2e.py (E2E_ARGS) on the real pair: the
+# SmolLM2 target converted from its GGUF, whose first chunk an earlier warm call
+# stashed with `KIT_DEST=/root/gguf bash training/device_run.sh stash` and whose
+# second chunk, checksum and gguf wheel (.dflash_kit/, training/device_kit.sh) this
+# call carries.
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -27,5 +32,18 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_gpu_step.py --out "$out/gpu_step.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v "^INFO\|^(EngineCore" | tail -40
   brc=${PIPESTATUS[0]}; echo "bench exit code: $brc"; [ "$rc" = 0 ] && rc=$brc
+fi
+if [ "$what" = e2e ]; then
+  gdir=/root/gguf; gguf=$gdir/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p "$gdir"
+  [ -f "$gguf" ] || { cp .dflash_kit/part_* "$gdir"/ && cat "$gdir"/part_a? > "$gguf"; }
+  (cd "$gdir" && sha256sum -c "$OLDPWD/.dflash_kit/SHA256SUMS") || exit 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
+    .dflash_kit/gguf-*.whl || exit 1
+  target=$(python3 -c "from vllm_ddtree.real_models import make_smollm2 as m; \
+print(m('/root/smollm2', '$gguf'))" | tail -n 1) || exit 1
+  timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/bench_e2e.py --target "$target" \
+    --drafter models/dflash-smollm2-135m-b8 --graphs --dtype bfloat16 --device-name h200 \
+    --out "$out/e2e_h200" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log" | grep -v "^INFO\|^(EngineCore" | tail -40
+  rc=${PIPESTATUS[0]}; echo "e2e exit code: $rc"
 fi
 exit "$rc"
