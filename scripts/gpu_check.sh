@@ -1,6 +1,7 @@
 #!/bin/bash
 # Device side of the GPU checks, run on the lent H200 from the repository root in the
-# call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md):
+# call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md; build the kit
+# here with scripts/gpu_kit.sh, whose chunks fit a call beside the repository):
 #   bash scripts/gpu_check.sh [tests|bench|all|e2e] [extra pytest args]
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
 # the step-cost benchmark (BENCH_ARGS), and keeps logs and results under $OUT (or

@@ -1,0 +1,17 @@
+#!/bin/bash
+# Here, before the device calls: build the vLLM 0.33 kit (../shared/gpu/build_vllm_kit.sh)
+# and cut it into chunks that fit one call next to this repository. A call carries at
+# most 64 MiB, the repository is about 10 MiB (the trained drafter in models/), and the
+# kit's own 60 MiB chunks do not fit beside it.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+kit_builder=${KIT_BUILDER:-../shared/gpu/build_vllm_kit.sh}
+cache=${GPUKIT_CACHE:-/tmp/gpukit-cache}
+[ -f "$cache/kit.tar.xz" ] || bash "$kit_builder"
+rm -f .gpukit/part_*
+split -b "${CHUNK:-49M}" "$cache/kit.tar.xz" .gpukit/part_
+(cd .gpukit && ls part_* > MANIFEST && sha256sum < "$cache/kit.tar.xz" | cut -d' ' -f1 >> MANIFEST)
+repo=$(git ls-files -z | xargs -0 du -cb | tail -n 1 | cut -f1)
+for part in .gpukit/part_*; do
+  echo "$part: $(( ($(stat -c %s "$part") + repo) / 1048576 )) MiB with the repository (limit 64)"
+done
