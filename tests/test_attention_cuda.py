@@ -19,7 +19,7 @@ from vllm_ddtree.attention import cuda, register_backends
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin
 from vllm_ddtree.attention.reference import tree_attention_reference, write_kv_to_cache
 from vllm_ddtree.attention.state import TreeAttentionInfo, publishing
-from vllm_ddtree.compaction import move_slots
+from vllm_ddtree.compaction import block_slot_moves, move_slots
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 16, 4
 PARENT_FILL = 123.0  # what the stand-in parent backend writes
@@ -45,7 +45,7 @@ def test_move_kv_slots_in_the_cuda_layout(dtype):
     # block boundary, and identity moves on a root slot.
     src = torch.tensor([2, 3, 9, 0, 0, 17], dtype=torch.int64)
     dst = torch.tensor([1, 2, 8, 0, 0, 13], dtype=torch.int64)
-    cuda.move_kv_slots(kv_cache, src, dst)
+    cuda.move_kv_slots(kv_cache, block_slot_moves(src, dst, PAGE))
     expected = before.clone()
     if dtype.itemsize == 1:
         expected = expected.view(torch.uint8)

@@ -7,7 +7,13 @@ import random
 import pytest
 import torch
 
-from vllm_ddtree.compaction import apply_kv_moves, move_slots, plan_compaction, plan_slots
+from vllm_ddtree.compaction import (
+    apply_kv_moves,
+    block_slot_moves,
+    move_slots,
+    plan_compaction,
+    plan_slots,
+)
 from vllm_ddtree.tree import build_ddtree
 from vllm_ddtree.verify import WalkResult, walk_tree
 
@@ -139,3 +145,25 @@ def test_end_to_end_with_real_tree_walk_and_hidden_gather():
         for d in range(walk.num_accepted[r].item() + 1):
             row = starts[r] + walk.accepted_nodes[r, d]
             assert torch.equal(path_hidden[r, d], hidden[row])
+
+
+def test_block_slot_moves_split_flat_slots():
+    moves = block_slot_moves(torch.tensor([0, 5, 17]), torch.tensor([3, 4, 16]), 4)
+    assert moves.src_block.tolist() == [0, 1, 4] and moves.src_offset.tolist() == [0, 1, 1]
+    assert moves.dst_block.tolist() == [0, 1, 4] and moves.dst_offset.tolist() == [3, 0, 0]
+
+
+def test_cpu_backend_moves_k_and_v_in_its_layout():
+    """CPU_ATTN keeps K transposed ([head_dim, page]) and V plain per (block, head)."""
+    from vllm_ddtree.attention.cpu import DDTreeCPUAttentionBackend, split_kv_cache
+
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, heads, page, head_dim = 5, 2, 4, 8
+    kv_cache = torch.randn(num_blocks, heads, page, 2 * head_dim, generator=gen)
+    before = [c.clone() for c in split_kv_cache(kv_cache)]  # [nb, page, heads, d] each
+    src, dst = torch.tensor([2, 3, 9, 0]), torch.tensor([1, 2, 8, 0])  # overlapping + identity
+    DDTreeCPUAttentionBackend.move_kv_slots(kv_cache, block_slot_moves(src, dst, page))
+    for cache, old in zip(split_kv_cache(kv_cache), before, strict=True):
+        expected = old.reshape(num_blocks * page, heads, head_dim).clone()
+        move_slots(expected, src, dst)
+        assert torch.equal(cache.reshape(num_blocks * page, heads, head_dim), expected)

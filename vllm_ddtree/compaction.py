@@ -85,6 +85,31 @@ def plan_slots(
     return torch.where(ok, src, safe), torch.where(ok, dst, safe)
 
 
+@dataclass
+class SlotMoves:
+    """One step's KV moves as (block, offset) pairs: computed once per slot mapping and
+    page size, then used by every layer of the cache group (no per-layer index math)."""
+
+    src_block: torch.Tensor  # [num_moves] int64
+    src_offset: torch.Tensor  # [num_moves] int64
+    dst_block: torch.Tensor  # [num_moves] int64
+    dst_offset: torch.Tensor  # [num_moves] int64
+
+
+def block_slot_moves(
+    src_slots: torch.Tensor,  # [num_moves] int64, from plan_slots
+    dst_slots: torch.Tensor,  # [num_moves] int64
+    block_size: int,
+) -> SlotMoves:
+    """Flat slots (block * block_size + offset) as (block, offset) pairs."""
+    return SlotMoves(
+        src_block=src_slots // block_size,
+        src_offset=src_slots % block_size,
+        dst_block=dst_slots // block_size,
+        dst_offset=dst_slots % block_size,
+    )
+
+
 def move_slots(
     cache_flat: torch.Tensor,  # [num_slots, ...] any per-slot layout
     src_slots: torch.Tensor,  # [num_moves] int64, >= 0

@@ -21,7 +21,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_ddtree.attention.state import TreeAttentionInfo, to_device
-from vllm_ddtree.compaction import plan_compaction, plan_slots
+from vllm_ddtree.compaction import SlotMoves, block_slot_moves, plan_compaction, plan_slots
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, chain_trees, select_trees
 from vllm_ddtree.tree import DDTree
@@ -134,15 +134,17 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
     src_rows, dst_rows = plan.hidden_rows.flatten(), plan.dst_rows.flatten()
 
     # 1. KV of every target attention layer: node slots -> chain slots. Layers
-    #    of one KV-cache group share a slot mapping, so plan once per mapping.
-    planned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    #    of one KV-cache group share a slot mapping and page size, so the moves
+    #    are planned once per group and each layer only gathers and scatters.
+    planned: dict[tuple[int, int], SlotMoves] = {}
     for layer_name, kv_cache, backend in _target_kv_layers(runner):
         slot_mapping = _layer_slot_mapping(model_state.slot_mappings, layer_name)
         if slot_mapping is None:
             continue
-        if id(slot_mapping) not in planned:
-            planned[id(slot_mapping)] = plan_slots(slot_mapping, plan)
-        backend.move_kv_slots(kv_cache, *planned[id(slot_mapping)])
+        key = (id(slot_mapping), kv_cache.shape[2])  # both layouts: page size at dim 2
+        if key not in planned:
+            planned[key] = block_slot_moves(*plan_slots(slot_mapping, plan), key[1])
+        backend.move_kv_slots(kv_cache, planned[key])
 
     # 2. Rows the drafter reads as context: hidden states and token ids.
     tensors = [model_state.hidden_states, runner.input_ids.gpu]

@@ -27,6 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
 from vllm_ddtree.attention.reference import tree_attention_reference
 from vllm_ddtree.attention.state import TreeAttentionInfo
+from vllm_ddtree.compaction import SlotMoves
 
 # Cache interiors this module knows how to read (see the module docstring).
 _PLAIN_ISAS = ("vec", "vec16", "neon")
@@ -46,16 +47,12 @@ class DDTreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def move_kv_slots(
         kv_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, 2 * head_dim]
-        src_slots: torch.Tensor,  # [num_moves] int64
-        dst_slots: torch.Tensor,  # [num_moves] int64
+        moves: SlotMoves,
     ) -> None:
         """cache[dst] = old cache[src] for K and V of every head, in place."""
-        block_size = kv_cache.shape[2]
-        src_b, src_o = src_slots // block_size, src_slots % block_size
-        dst_b, dst_o = dst_slots // block_size, dst_slots % block_size
         for cache in split_kv_cache(kv_cache):  # [nb, bs, h, d] strided views
-            moved = cache[src_b, src_o].clone()  # gather every source first
-            cache[dst_b, dst_o] = moved
+            moved = cache[moves.src_block, moves.src_offset]  # gather every source first
+            cache[moves.dst_block, moves.dst_offset] = moved
 
 
 @dataclass

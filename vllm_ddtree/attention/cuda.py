@@ -42,6 +42,7 @@ from vllm.v1.attention.backends.triton_attn import (
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
 from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.attention.triton_tree import tree_attention_triton
+from vllm_ddtree.compaction import SlotMoves
 from vllm_ddtree.sync import no_host_sync
 
 
@@ -56,19 +57,15 @@ def split_kv_cache(
 
 def move_kv_slots(
     kv_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, 2 * head_size]
-    src_slots: torch.Tensor,  # [num_moves] int64
-    dst_slots: torch.Tensor,  # [num_moves] int64
+    moves: SlotMoves,
 ) -> None:
     """cache[dst] = old cache[src] for K and V of every head, in place, no sync."""
-    block_size = kv_cache.shape[2]
     per_slot = kv_cache.transpose(1, 2)  # [num_blocks, block_size, heads, 2 * head_size]
     if per_slot.dtype.itemsize == 1 and per_slot.is_floating_point():
         per_slot = per_slot.view(torch.uint8)  # fp8 caches move as raw bytes
     # The right-hand side is a gather into a new tensor: every source is read
     # before any destination is written, so overlapping moves are safe.
-    per_slot[dst_slots // block_size, dst_slots % block_size] = per_slot[
-        src_slots // block_size, src_slots % block_size
-    ]
+    per_slot[moves.dst_block, moves.dst_offset] = per_slot[moves.src_block, moves.src_offset]
 
 
 class TreeRowsImplMixin:
