@@ -21,7 +21,12 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_ddtree.attention.state import TreeAttentionInfo, to_device
-from vllm_ddtree.compaction import SlotMoves, block_slot_moves, plan_compaction, plan_slots
+from vllm_ddtree.compaction import (
+    SlotMoves,
+    block_slot_moves,
+    plan_compaction,
+    plan_slots,
+)
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, chain_trees, select_trees
 from vllm_ddtree.tree import DDTree
