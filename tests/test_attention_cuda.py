@@ -180,7 +180,8 @@ def test_all_tree_rows_skip_the_parent():
     info = tree_info(batch, [5, 1, 3], seed=4)
     assert info.all_rows_are_tree_rows
     output, impl = run_impl(batch, info)
-    assert impl.calls == 0 and info.gpu_rows is None
+    assert impl.calls == 0
+    assert info.rows.tolist() == list(range(9))
     for r in range(3):
         start = int(batch.metadata.query_start_loc[r])
         rows = slice(start, start + batch.query_lens[r])
@@ -195,8 +196,8 @@ def test_mixed_batch_parent_rows_then_tree_rows():
     assert not info.all_rows_are_tree_rows
     output, impl = run_impl(batch, info)
     assert impl.calls == 1
-    assert info.gpu_rows.tolist() == [6, 7, 8, 9, 11, 12, 13]
-    assert info.gpu_query_start_loc.tolist() == [0, 4, 7]
+    assert info.rows.tolist() == [6, 7, 8, 9, 11, 12, 13]
+    assert info.rows_query_start_loc.tolist() == [0, 4, 7]
     starts = batch.metadata.query_start_loc.tolist()
     for r in (1, 3):
         rows = slice(starts[r], starts[r] + batch.query_lens[r])

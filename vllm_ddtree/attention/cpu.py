@@ -88,24 +88,19 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             return output
         self._check_tree_support(layer)
         key_cache, value_cache = split_kv_cache(kv_cache)
-        reqs = torch.tensor(tree.tree_reqs, dtype=torch.int64)
-        rows = tree_rows(tree, reqs)  # [num_tree_rows]
-        counts = tree.num_rows[reqs]
-        qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
-        qsl[1:] = counts.cumsum(0)
-        width = int(counts.max())
+        reqs = tree.req_index  # rows and indices from the builder's prepare_for
         result = tree_attention_reference(
-            query[rows],
+            query[tree.rows],
             key_cache,
             value_cache,
             attn_metadata.block_table[reqs],
             attn_metadata.seq_lens[reqs],
-            qsl,
-            tree.tree_mask[reqs, :width, :width],
+            tree.rows_query_start_loc,
+            tree.tree_mask[reqs],
             self.scale,
         )
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        out[rows] = result.to(out.dtype)
+        out[tree.rows] = result.to(out.dtype)
         return output
 
     def _check_tree_support(self, layer) -> None:
@@ -130,10 +125,3 @@ def split_kv_cache(
     value = flat[:, :, 1].view(num_blocks, num_kv_heads, block_size, head_dim)
     return key_t.permute(0, 3, 1, 2), value.permute(0, 2, 1, 3)
 
-
-def tree_rows(tree: TreeAttentionInfo, reqs: torch.Tensor) -> torch.Tensor:
-    """Flat query rows of the given requests' trees, in request order."""
-    starts, counts = tree.row_start[reqs], tree.num_rows[reqs]
-    offsets = torch.arange(int(counts.max()))
-    rows = starts[:, None] + offsets[None, :]
-    return rows[offsets[None, :] < counts[:, None]]

@@ -112,8 +112,7 @@ class TreeRowsImplMixin:
     ) -> None:
         key_cache, value_cache = split_kv_cache(kv_cache)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        rows = tree.gpu_rows
-        if rows is None:  # every row is a tree row: one call over the batch
+        if tree.all_rows_are_tree_rows:  # one call over the batch
             num_reqs = tree.num_reqs
             tree_attention_triton(
                 query, key_cache, value_cache,
@@ -127,12 +126,12 @@ class TreeRowsImplMixin:
                 out=out,
             )
             return
-        reqs = tree.gpu_reqs
-        out[rows] = tree_attention_triton(
-            query[rows], key_cache, value_cache,
+        reqs = tree.req_index
+        out[tree.rows] = tree_attention_triton(
+            query[tree.rows], key_cache, value_cache,
             attn_metadata.block_table[reqs],
             attn_metadata.seq_lens[reqs],
-            tree.gpu_query_start_loc,
+            tree.rows_query_start_loc,
             tree.packed_mask[reqs],
             self.scale,
             max_query_len=tree.width,
@@ -140,10 +139,6 @@ class TreeRowsImplMixin:
         )
 
 
-# --- FLASH_ATTN ---------------------------------------------------------------
-
-
-@dataclass
 class DDTreeFlashAttentionMetadata(FlashAttentionMetadata):
     tree: TreeAttentionInfo | None = None
 

@@ -29,11 +29,11 @@ class TreeAttentionInfo:
     # Every query row of the batch belongs to a tree (a decode request without
     # drafts is a root-only tree): CUDA backends then skip their own kernel.
     all_rows_are_tree_rows: bool = False
-    # Device copies made once per step by prepare_for, shared by all layers.
+    # Made once per step by prepare_for on the metadata's device, shared by all layers.
     packed_mask: torch.Tensor | None = None  # [num_reqs, width, ceil(width / 32)] int32
-    gpu_rows: torch.Tensor | None = None  # [num_tree_rows] int64; None when every row is a tree row
-    gpu_reqs: torch.Tensor | None = None  # [num_tree_reqs] int64
-    gpu_query_start_loc: torch.Tensor | None = None  # [num_tree_reqs + 1] int32, over gpu_rows
+    rows: torch.Tensor | None = None  # [num_tree_rows] int64, flat query rows of the trees
+    req_index: torch.Tensor | None = None  # [num_tree_reqs] int64, = tree_reqs
+    rows_query_start_loc: torch.Tensor | None = None  # [num_tree_reqs + 1] int32, over rows
 
     @property
     def num_reqs(self) -> int:
@@ -49,8 +49,6 @@ class TreeAttentionInfo:
         if self.packed_mask is not None:
             return
         self.packed_mask = pack_tree_mask(self.tree_mask.to(device))
-        if self.all_rows_are_tree_rows:
-            return
         reqs = torch.tensor(self.tree_reqs, dtype=torch.int64)
         counts = self.num_rows[reqs]
         offsets = torch.arange(int(counts.max()))
@@ -58,9 +56,9 @@ class TreeAttentionInfo:
         rows = rows[offsets[None, :] < counts[:, None]]
         query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.int32)
         query_start_loc[1:] = counts.cumsum(0)
-        self.gpu_rows = to_device(rows, device)
-        self.gpu_reqs = to_device(reqs, device)
-        self.gpu_query_start_loc = to_device(query_start_loc, device)
+        self.rows = to_device(rows, device)
+        self.req_index = to_device(reqs, device)
+        self.rows_query_start_loc = to_device(query_start_loc, device)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
