@@ -17,12 +17,15 @@ from contextlib import contextmanager
 import torch
 
 ENV_VAR = "VLLM_DDTREE_CHECK_SYNC"
+# Read once per process (vLLM's engine process starts with the user's environment):
+# the check wraps every layer's attention, so a disabled one must cost nothing.
+_ENABLED = os.environ.get(ENV_VAR, "0") not in ("", "0")
 
 
 @contextmanager
 def no_host_sync(device: torch.device | str) -> Iterator[None]:
     """Inside the block, a host-device sync on ``device`` raises (when enabled)."""
-    if os.environ.get(ENV_VAR, "0") in ("", "0") or torch.device(device).type != "cuda":
+    if not _ENABLED or torch.device(device).type != "cuda":
         yield
         return
     previous = torch.cuda.get_sync_debug_mode()
