@@ -159,49 +159,48 @@ def test_greedy_identical_float32(
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"] * min(budget, 2) / 2
 
 
+def reference_then_ddtree(model, prompts, ddtree_config, monkeypatch, tmp_path, **kw):
+    """Non-speculative greedy (with top-2 log-probabilities), then DDTree greedy with
+    the drafter scripted from it, both engines built with ``kw``.
+    Returns (prompt ids, reference, DDTree token ids)."""
+    llm = gpu_llm(model, **kw)
+    try:
+        ids = prompt_ids(llm, prompts)
+        reference = greedy_with_top2(llm, prompts)
+    finally:
+        shutdown(llm)
+    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [r[0] for r in reference])))
+    llm = gpu_llm(model, ddtree_config, **kw)
+    try:
+        got = greedy(llm, prompts, MAX_TOKENS)
+    finally:
+        shutdown(llm)
+    return ids, reference, got
+
+
 def test_mixed_prefill_and_tree_steps(gpu_qwen3, make_drafter, monkeypatch, tmp_path):
     """Long prompts prefill in 64-token chunks while the short ones already verify
     trees, so steps mix prefill rows (the parent backend's kernel) with tree rows
     (the tree kernel over gathered rows): the path a server takes when requests
     arrive while others decode."""
     prompts = [*PROMPTS, " ".join(PROMPTS) * 2, " ".join(reversed(PROMPTS)) * 3]
-    kw = dict(graphs=False, max_num_batched_tokens=64, enable_chunked_prefill=True,
-              enable_prefix_caching=False)
-    llm = gpu_llm(gpu_qwen3, **kw)
-    try:
-        ids = prompt_ids(llm, prompts)
-        reference = greedy_with_top2(llm, prompts)
-    finally:
-        shutdown(llm)
-    assert max(len(i) for i in ids) > 2 * 64  # the long prompts need several chunks
-    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [r[0] for r in reference])))
     config = {"method": "ddtree", "model": str(make_drafter(gpu_qwen3, BLOCK)),
               "ddtree_budget": 5, "ddtree_topk_cap": 2}
-    llm = gpu_llm(gpu_qwen3, config, **kw)
-    try:
-        got = greedy(llm, prompts, MAX_TOKENS)
-    finally:
-        shutdown(llm)
+    ids, reference, got = reference_then_ddtree(
+        gpu_qwen3, prompts, config, monkeypatch, tmp_path, graphs=False,
+        max_num_batched_tokens=64, enable_chunked_prefill=True, enable_prefix_caching=False,
+    )
+    assert max(len(i) for i in ids) > 2 * 64  # the long prompts need several chunks
     assert assert_identical_or_near_tie(got, reference, FLOAT32_NEAR_TIE) >= len(prompts) - 1
 
 
 def test_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path):
-    kw = dict(dtype="bfloat16", graphs=True)
-    llm = gpu_llm(gpu_qwen3, **kw)
-    try:
-        ids = prompt_ids(llm, PROMPTS16)
-        reference = greedy_with_top2(llm, PROMPTS16)
-    finally:
-        shutdown(llm)
+    config = {"method": "ddtree", "model": str(make_drafter(gpu_qwen3, BLOCK)),
+              "ddtree_budget": 16}
+    _, reference, got = reference_then_ddtree(
+        gpu_qwen3, PROMPTS16, config, monkeypatch, tmp_path, dtype="bfloat16", graphs=True
+    )
     expected = [r[0] for r in reference]
-    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, expected)))
-    drafter = make_drafter(gpu_qwen3, BLOCK)
-    config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": 16}
-    llm = gpu_llm(gpu_qwen3, config, **kw)
-    try:
-        got = greedy(llm, PROMPTS16, MAX_TOKENS)
-    finally:
-        shutdown(llm)
     same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
     total = sum(len(e) for e in expected)
     print(f"bf16 greedy match: {same}/{total} tokens")
