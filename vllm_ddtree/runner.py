@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from vllm_ddtree.attention.state import TreeAttentionInfo, to_device
+from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.compaction import (
     SlotMoves,
     block_slot_moves,
@@ -29,6 +29,7 @@ from vllm_ddtree.compaction import (
 )
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, chain_trees, select_trees
+from vllm_ddtree.sync import to_device
 from vllm_ddtree.tree import DDTree
 
 if TYPE_CHECKING:

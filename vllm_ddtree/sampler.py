@@ -23,8 +23,7 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_ddtree.attention.state import to_device
-from vllm_ddtree.sync import no_host_sync
+from vllm_ddtree.sync import no_host_sync, to_device
 from vllm_ddtree.tree import DDTree
 from vllm_ddtree.verify import WalkResult, walk_tree
 

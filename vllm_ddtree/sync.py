@@ -1,4 +1,5 @@
-"""A debugging switch that proves the DDTree step never makes the host wait.
+"""Keeping the host from waiting on the GPU: non-blocking copies, and a debugging
+switch that proves the DDTree step never makes the host wait.
 
 With ``VLLM_DDTREE_CHECK_SYNC=1`` every DDTree hook on a CUDA device runs under
 ``torch.cuda.set_sync_debug_mode("error")``: any operation that would block
@@ -34,3 +35,10 @@ def no_host_sync(device: torch.device | str) -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without making the host wait (pinned on CUDA)."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

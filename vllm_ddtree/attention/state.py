@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ddtree.attention.reference import pack_tree_mask
+from vllm_ddtree.sync import to_device
 
 
 @dataclass
@@ -59,13 +60,6 @@ class TreeAttentionInfo:
         self.rows = to_device(rows, device)
         self.req_index = to_device(reqs, device)
         self.rows_query_start_loc = to_device(query_start_loc, device)
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor to ``device`` without making the host wait (pinned on CUDA)."""
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 _current: TreeAttentionInfo | None = None
