@@ -2,9 +2,9 @@
 # Device side of the GPU checks, run on the lent H200 from the repository root in the
 # call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md; build the kit
 # here with scripts/gpu_kit.sh, whose chunks fit a call beside the repository):
-#   bash scripts/gpu_check.sh [tests|bench|all|e2e] [extra pytest args]
+#   bash scripts/gpu_check.sh [tests|bench|all|profile|e2e] [extra pytest args]
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
-# the step-cost benchmark (BENCH_ARGS), and keeps logs and results under $OUT (or
+# the step-cost benchmark (BENCH_ARGS) or its profile (PROFILE_ARGS), and keeps logs and results under $OUT (or
 # ./gpu-out). `e2e` runs benchmarks/bench_e2e.py (E2E_ARGS) on the real pair: the
 # SmolLM2 target converted from its GGUF, whose first chunk an earlier warm call
 # stashed with `KIT_DEST=/root/gguf bash training/device_run.sh stash` and whose
@@ -33,6 +33,12 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_gpu_step.py --out "$out/gpu_step.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v "^INFO\|^(EngineCore" | tail -40
   brc=${PIPESTATUS[0]}; echo "bench exit code: $brc"; [ "$rc" = 0 ] && rc=$brc
+fi
+if [ "$what" = profile ]; then
+  timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_gpu_step.py \
+    --out "$out/gpu_profile.json" ${PROFILE_ARGS:-} 2>&1 | tee "$out/profile.log" \
+    | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG" | tail -150
+  rc=${PIPESTATUS[0]}; echo "profile exit code: $rc"
 fi
 if [ "$what" = e2e ]; then
   gdir=/root/gguf; gguf=$gdir/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p "$gdir"

@@ -154,7 +154,7 @@ def _patch_model_runner() -> None:
 
     from vllm_ddtree import runner as ddtree_runner
     from vllm_ddtree.attention.state import publishing
-    from vllm_ddtree.sync import no_host_sync
+    from vllm_ddtree.sync import step_phase
 
     cls = GPUModelRunner
     orig_init = _orig["runner.__init__"] = cls.__init__
@@ -176,7 +176,7 @@ def _patch_model_runner() -> None:
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         result = orig_prepare(self, scheduler_output, *args, **kwargs)
         if getattr(self, "ddtree_state", None) is not None:
-            with no_host_sync(self.device):
+            with step_phase("ddtree.begin_verify", self.device):
                 ddtree_runner.begin_verify_step(self, result[1])
         return result
 
@@ -199,7 +199,7 @@ def _patch_model_runner() -> None:
     def _sample(self, logits, spec_decode_metadata):
         output = orig_sample(self, logits, spec_decode_metadata)
         if getattr(self, "ddtree_state", None) is not None and spec_decode_metadata is not None:
-            with no_host_sync(self.device):
+            with step_phase("ddtree.compact", self.device):
                 ddtree_runner.compact_after_walk(self)
         return output
 

@@ -16,7 +16,7 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.sync import no_host_sync
+from vllm_ddtree.sync import step_phase
 from vllm_ddtree.tree import DDTree, build_ddtree
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class DDTreeProposer(DFlashProposer):
         num_reqs = next_token_ids.shape[0]
         # [num_reqs, max_depth, vocab]: row d is log q_{d+1}.
         logprobs = logprobs.view(num_reqs, self.ddtree.max_depth, -1)
-        with no_host_sync(logprobs.device):
+        with step_phase("ddtree.build_tree", logprobs.device):
             tree = build_ddtree(
                 logprobs, next_token_ids, self.ddtree.budget, self.ddtree.topk_cap
             )

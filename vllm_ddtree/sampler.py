@@ -23,7 +23,7 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_ddtree.sync import no_host_sync, to_device
+from vllm_ddtree.sync import step_phase, to_device
 from vllm_ddtree.tree import DDTree
 from vllm_ddtree.verify import WalkResult, walk_tree
 
@@ -64,7 +64,7 @@ class DDTreeSampler(nn.Module):
         logits: torch.Tensor,  # [num_reqs + num_draft_tokens, vocab]
         sampling_metadata: SamplingMetadata,
     ) -> SamplerOutput:
-        with no_host_sync(logits.device):
+        with step_phase("ddtree.sample_walk", logits.device):
             return self._forward(metadata, logits, sampling_metadata)
 
     def _forward(

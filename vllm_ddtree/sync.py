@@ -37,6 +37,14 @@ def no_host_sync(device: torch.device | str) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
+@contextmanager
+def step_phase(label: str, device: torch.device | str) -> Iterator[None]:
+    """A DDTree part of the step: a named range for torch.profiler
+    (``benchmarks/profile_gpu_step.py`` reads them) that must not sync the host."""
+    with torch.profiler.record_function(label), no_host_sync(device):
+        yield
+
+
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor to ``device`` without making the host wait (pinned on CUDA)."""
     if torch.device(device).type != "cuda":

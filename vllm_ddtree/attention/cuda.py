@@ -43,7 +43,7 @@ from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_su
 from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.attention.triton_tree import tree_attention_triton
 from vllm_ddtree.compaction import SlotMoves
-from vllm_ddtree.sync import no_host_sync
+from vllm_ddtree.sync import step_phase
 
 
 def split_kv_cache(
@@ -98,7 +98,7 @@ class TreeRowsImplMixin:
                 layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale, output_block_scale,
             )
-        with no_host_sync(query.device):
+        with step_phase("ddtree.tree_attention", query.device):
             self._tree_rows_forward(query, kv_cache, attn_metadata, tree, output)
         return output
 

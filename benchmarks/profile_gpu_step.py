@@ -1,0 +1,178 @@
+"""Where a decode step's time goes, in vLLM on a GPU: torch.profiler over the steps of
+one engine per configuration, same models and engine settings as bench_gpu_step.py.
+
+Each configuration runs in its own process with the engine in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), so the profiler sees the scheduler, the model
+runner and the plugin's hooks together. For each it reports, per decode step:
+
+- wall time, and the GPU's busy time (sum of kernel times) as a share of it;
+- each DDTree phase (``ddtree.*`` ranges, vllm_ddtree/sync.py ``step_phase``): host
+  time and the kernel time it launched;
+- the operators with the most host time and the most kernel time.
+
+    python benchmarks/profile_gpu_step.py --configs chain:1 ddtree16:1 ddtree16:32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import bench_gpu_step as step_bench  # noqa: E402  (models, prompts, engine settings)
+
+DEFAULT_OUT = BENCH_DIR / "results" / "gpu_profile.json"
+
+
+def parse_config(text: str) -> tuple[str, int | None, int]:
+    """'plain:1', 'chain:8', 'ddtree16:32' -> (method, budget, batch)."""
+    name, _, batch = text.partition(":")
+    if not batch.isdigit() or int(batch) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want METHOD:BATCH, e.g. ddtree16:1")
+    if name in ("plain", "chain"):
+        return name, None, int(batch)
+    if name.startswith("ddtree") and name[6:].isdigit() and int(name[6:]) >= 1:
+        return "ddtree", int(name[6:]), int(batch)
+    raise argparse.ArgumentTypeError(f"{text!r}: method is plain, chain or ddtreeB")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", type=parse_config,
+                   default=[parse_config(c) for c in ("plain:1", "chain:1", "ddtree16:1")])
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=24, help="decode steps profiled")
+    p.add_argument("--top", type=int, default=20, help="operators listed per table")
+    p.add_argument("--model-dir", type=Path, default=step_bench.DEFAULT_MODEL_DIR)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one config, print JSON
+    return p.parse_args(argv)
+
+
+def engine_args(batch: int, budget: int | None, prompt_len: int, steps: int) -> argparse.Namespace:
+    """bench_gpu_step's engine settings for one (batch, budget): graphs for this batch only."""
+    width = (budget or step_bench.BLOCK_SIZE) + 1
+    return argparse.Namespace(
+        batches=[batch], budgets=[budget or 16], max_model_len=prompt_len + 4 * steps * width + 64,
+        gpu_memory_utilization=0.85, max_num_seqs=max(batch, 8),
+        max_num_batched_tokens=max(8192, batch * width), sync_scheduling=True,
+        all_capture_sizes=False)
+
+
+def device_time(event: Any, self_only: bool = False) -> float:
+    """Kernel microseconds of a profiler event (the attribute name moved across torch)."""
+    for name in (("self_device_time_total", "self_cuda_time_total") if self_only
+                 else ("device_time_total", "cuda_time_total")):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
+def profile_one(method: str, budget: int | None, batch: int, args: argparse.Namespace) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    import torch
+    from vllm import SamplingParams
+
+    target, drafter = step_bench.write_models(args.model_dir)
+    run = step_bench.EngineRun("v1", method, budget)
+    llm = step_bench.make_engine(run, target, drafter,
+                                 engine_args(batch, budget, args.prompt_len, args.steps))
+    prompts = step_bench.make_prompts(batch, args.prompt_len)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True,
+                            detokenize=False)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: shapes, prefix cache
+    before = step_bench.read_counters(llm)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    after = step_bench.read_counters(llm)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    # Decode steps per request (+1: the prefill step, which this call also runs).
+    steps = (after["drafts"] - before["drafts"]) / batch if run.speculative else tokens / batch
+    steps = max(1.0, steps)
+    events = prof.key_averages()
+    kernel_us = sum(device_time(e, self_only=True) for e in events)
+    phases = {e.key: {"host_ms": e.cpu_time_total / 1e3 / steps,
+                      "kernel_ms": device_time(e) / 1e3 / steps,
+                      "calls_per_step": e.count / steps}
+              for e in events if e.key.startswith("ddtree.")}
+    rows = [{"op": e.key, "calls_per_step": e.count / steps,
+             "self_host_ms": e.self_cpu_time_total / 1e3 / steps,
+             "self_kernel_ms": device_time(e, self_only=True) / 1e3 / steps} for e in events]
+    top = args.top
+    return {
+        "method": method, "budget": budget, "batch": batch, "steps": steps,
+        "wall_ms_per_step": 1e3 * seconds / steps,
+        "kernel_ms_per_step": kernel_us / 1e3 / steps,
+        "gpu_busy_share": kernel_us / 1e6 / seconds,
+        "phases": phases,
+        "top_host": sorted(rows, key=lambda r: -r["self_host_ms"])[:top],
+        "top_kernel": sorted(rows, key=lambda r: -r["self_kernel_ms"])[:top],
+    }
+
+
+def run_isolated(config: tuple[str, int | None, int], args: argparse.Namespace) -> dict:
+    """One configuration in a fresh process (an in-process engine keeps its GPU memory)."""
+    method, budget, batch = config
+    label = f"{method}{budget or ''}:{batch}"
+    cmd = [sys.executable, __file__, "--one", label, "--prompt-len", str(args.prompt_len),
+           "--steps", str(args.steps), "--top", str(args.top), "--model-dir", str(args.model_dir)]
+    print(f"[profile] {label}: starting", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    marker = "PROFILE_JSON "
+    for line in proc.stdout.splitlines():
+        if line.startswith(marker):
+            return json.loads(line[len(marker):])
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    print(tail, flush=True)
+    return {"method": method, "budget": budget, "batch": batch,
+            "error": f"exit code {proc.returncode}", "log_tail": tail}
+
+
+def report(result: dict) -> str:
+    name = f"{result['method']}{result['budget'] or ''} batch {result['batch']}"
+    if "error" in result:
+        return f"== {name}: {result['error']}"
+    lines = [f"== {name}: {result['wall_ms_per_step']:.2f} ms/step wall, "
+             f"{result['kernel_ms_per_step']:.2f} ms kernels "
+             f"(GPU busy {100 * result['gpu_busy_share']:.0f}%), {result['steps']:.0f} steps"]
+    for key, p in sorted(result["phases"].items()):
+        lines.append(f"   {key:24s} host {p['host_ms']:7.3f} ms  kernels {p['kernel_ms']:7.3f} ms"
+                     f"  calls/step {p['calls_per_step']:5.1f}")
+    for title, rows, col in (("host", result["top_host"], "self_host_ms"),
+                             ("kernel", result["top_kernel"], "self_kernel_ms")):
+        lines.append(f"   top {title} time per step:")
+        lines += [f"     {r[col]:7.3f} ms  x{r['calls_per_step']:6.1f}  {r['op'][:90]}"
+                  for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.one:
+        print("PROFILE_JSON " + json.dumps(profile_one(*parse_config(args.one), args)), flush=True)
+        return
+    results = []
+    for config in args.configs:
+        results.append(run_isolated(config, args))
+        print(report(results[-1]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"prompt_len": args.prompt_len, "steps": args.steps,
+                                    "results": results}, indent=1) + "\n")
+    print(f"[profile] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
