@@ -9,13 +9,14 @@ and the backend registration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vllm_ddtree.attention import cuda, register_backends
+from vllm_ddtree.attention import cpu, cuda, register_backends
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin
 from vllm_ddtree.attention.reference import tree_attention_reference, write_kv_to_cache
 from vllm_ddtree.attention.state import TreeAttentionInfo, publishing
@@ -270,6 +271,21 @@ def test_builder_attaches_only_a_published_tree():
     assert info.packed_mask is not None and info.packed_mask.dtype == torch.int32
     assert cuda.DDTreeTritonAttentionMetadataBuilder._cudagraph_support.name == "NEVER"
     assert cuda.DDTreeFlashAttentionMetadataBuilder._cudagraph_support.name == "NEVER"
+
+
+@pytest.mark.parametrize("builder", [
+    cuda.DDTreeFlashAttentionMetadataBuilder,
+    cuda.DDTreeTritonAttentionMetadataBuilder,
+    cpu.DDTreeCPUAttentionMetadataBuilder,
+], ids=["FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"])
+def test_metadata_classes_carry_the_tree(builder):
+    """Each backend's metadata class is its parent's dataclass plus ``tree``, so the
+    mixin can rebuild the parent's metadata with the tree attached."""
+    metadata_cls = builder.metadata_cls
+    parent = metadata_cls.__mro__[1]
+    names = [f.name for f in fields(metadata_cls)]
+    assert names == [f.name for f in fields(parent)] + ["tree"]
+    assert "tree" in inspect.signature(metadata_cls).parameters
 
 
 def test_register_backends_for_cuda():

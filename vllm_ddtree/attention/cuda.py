@@ -139,6 +139,7 @@ class TreeRowsImplMixin:
         )
 
 
+@dataclass
 class DDTreeFlashAttentionMetadata(FlashAttentionMetadata):
     tree: TreeAttentionInfo | None = None
 
