@@ -109,6 +109,15 @@ def hf_float32(gpu_qwen3):
 
     @torch.no_grad()
     def run(ids_list):
+        # One thread: pytest-xdist workers and their engines already fill the cores.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _run(ids_list)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(ids_list):
         for ids in ids_list:
             if ids in cache:
                 continue
