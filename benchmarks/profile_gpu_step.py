@@ -27,7 +27,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-import bench_gpu_step as step_bench  # noqa: E402  (models, prompts, engine settings)
+import bench_gpu_step as step_bench
 
 DEFAULT_OUT = BENCH_DIR / "results" / "gpu_profile.json"
 
@@ -130,7 +130,7 @@ def run_isolated(config: tuple[str, int | None, int], args: argparse.Namespace) 
     cmd = [sys.executable, __file__, "--one", label, "--prompt-len", str(args.prompt_len),
            "--steps", str(args.steps), "--top", str(args.top), "--model-dir", str(args.model_dir)]
     print(f"[profile] {label}: starting", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     marker = "PROFILE_JSON "
     for line in proc.stdout.splitlines():
         if line.startswith(marker):
@@ -145,9 +145,9 @@ def report(result: dict) -> str:
     name = f"{result['method']}{result['budget'] or ''} batch {result['batch']}"
     if "error" in result:
         return f"== {name}: {result['error']}"
-    lines = [f"== {name}: {result['wall_ms_per_step']:.2f} ms/step wall, "
+    lines = [(f"== {name}: {result['wall_ms_per_step']:.2f} ms/step wall, "
              f"{result['kernel_ms_per_step']:.2f} ms kernels "
-             f"(GPU busy {100 * result['gpu_busy_share']:.0f}%), {result['steps']:.0f} steps"]
+             f"(GPU busy {100 * result['gpu_busy_share']:.0f}%), {result['steps']:.0f} steps")]
     for key, p in sorted(result["phases"].items()):
         lines.append(f"   {key:24s} host {p['host_ms']:7.3f} ms  kernels {p['kernel_ms']:7.3f} ms"
                      f"  calls/step {p['calls_per_step']:5.1f}")

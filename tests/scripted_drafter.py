@@ -6,10 +6,16 @@ non-speculative run), the true token for depth d sits at a chosen rank of the
 drafter's distribution, or is absent. The DFlash model still runs (its KV and
 context handling are exercised); only its logits are replaced.
 
-vLLM's CPU backend spawns its worker, so the script travels by plugin: the
-test writes the script to a JSON file and puts a throwaway distribution on
-the path (sys.path, which spawned children inherit, and PYTHONPATH) whose ``vllm.general_plugins`` entry point (:func:`plugin`) patches
-the proposer in every vLLM process that sees ``DDTREE_SCRIPTED_DRAFTER``.
+The script reaches the engine's worker whichever way vLLM starts it:
+
+- spawned (vLLM's CPU backend): the test writes the script to a JSON file and
+  puts a throwaway distribution on the path (sys.path, which spawned children
+  inherit, and PYTHONPATH) whose ``vllm.general_plugins`` entry point
+  (:func:`plugin`) patches the proposer in every vLLM process that sees
+  ``DDTREE_SCRIPTED_DRAFTER``;
+- forked (vLLM on CUDA): the child inherits the test process's classes and
+  its "plugins loaded" flag, so the entry point never runs there; the patch is
+  therefore also applied in the test process itself (undone after the test).
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ def install(
     )
     _install_plugin(monkeypatch, tmp_dir)
     monkeypatch.setenv(ENV, str(script))
+    monkeypatch.setattr(DDTreeProposer, "_sample_draft_tokens", _scripted_sampler(script))
 
 
 def install_tree_log(monkeypatch, tmp_dir: Path) -> Path:
@@ -98,6 +105,7 @@ def install_tree_log(monkeypatch, tmp_dir: Path) -> Path:
     log_dir.mkdir(parents=True, exist_ok=True)
     _install_plugin(monkeypatch, tmp_dir)
     monkeypatch.setenv(TREE_LOG_ENV, str(log_dir))
+    monkeypatch.setattr(DDTreeProposer, "propose", _logging_propose(DDTreeProposer.propose, log_dir))
     return log_dir
 
 
@@ -119,13 +127,18 @@ def _install_plugin(monkeypatch, tmp_dir: Path) -> None:
 
 
 def plugin() -> None:
-    """vLLM plugin entry point: patch the proposer when asked to."""
-    if os.environ.get(TREE_LOG_ENV):
-        _log_trees(Path(os.environ[TREE_LOG_ENV]))
-    script_path = os.environ.get(ENV)
-    if not script_path:
-        return
-    script = json.loads(Path(script_path).read_text())
+    """vLLM plugin entry point: patch the proposer when asked to (idempotent)."""
+    if os.environ.get(TREE_LOG_ENV) and not hasattr(DDTreeProposer.propose, "logs_trees"):
+        DDTreeProposer.propose = _logging_propose(
+            DDTreeProposer.propose, Path(os.environ[TREE_LOG_ENV])
+        )
+    if os.environ.get(ENV):
+        DDTreeProposer._sample_draft_tokens = _scripted_sampler(Path(os.environ[ENV]))
+
+
+def _scripted_sampler(script_path: Path):
+    """DDTreeProposer._sample_draft_tokens that returns the script's distributions."""
+    script = json.loads(script_path.read_text())
     references = {tuple(p): o for p, o in script["refs"]}
     rank_rule = RULES[script["rule"]]
 
@@ -144,18 +157,17 @@ def plugin() -> None:
                 for d in range(1, depth + 1)
             ]
             rows.append(
-                scripted_logprobs(true, lambda d: rank_rule(bonus_pos, d), vocab)
+                scripted_logprobs(true, lambda d, pos=bonus_pos: rank_rule(pos, d), vocab)
             )
         logprobs = torch.cat(rows).to(hidden_states.device)
         self._draft_logprobs = logprobs
         return logprobs.argmax(dim=-1), None
 
-    DDTreeProposer._sample_draft_tokens = _sample_draft_tokens
+    return _sample_draft_tokens
 
 
-def _log_trees(log_dir: Path) -> None:
-    """After each drafting pass, append a digest of the trees to a per-process file."""
-    original = DDTreeProposer.propose
+def _logging_propose(original, log_dir: Path):
+    """DDTreeProposer.propose that appends a digest of its trees to a per-process file."""
 
     def propose(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
@@ -166,4 +178,5 @@ def _log_trees(log_dir: Path) -> None:
                 f.write(json.dumps(digest) + "\n")
         return result
 
-    DDTreeProposer.propose = propose
+    propose.logs_trees = True
+    return propose

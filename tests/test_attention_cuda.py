@@ -60,6 +60,19 @@ def test_move_kv_slots_in_the_cuda_layout(dtype):
     assert torch.equal(per_slot(kv_cache)[untouched].float(), before[untouched].float())
 
 
+def test_move_kv_slots_layers_without_the_kernel():
+    """Caches the Triton kernel cannot take (here: CPU tensors) move layer by layer,
+    each exactly as move_kv_slots moves it."""
+    layers = [random_kv_cache(6, seed=s) for s in (2, 3)]
+    before = [per_slot(c) for c in layers]
+    src = torch.tensor([[0, 2, 3], [8, 10, 8]], dtype=torch.int64)  # request 2: one move
+    dst = torch.tensor([[0, 1, 2], [8, 9, 8]], dtype=torch.int64)
+    cuda.move_kv_slots_layers(layers, src, dst)
+    for cache, old in zip(layers, before, strict=True):
+        move_slots(old, src.flatten(), dst.flatten())
+        assert torch.equal(per_slot(cache), old)
+
+
 @dataclass
 class Batch:
     query: torch.Tensor  # [num_tokens + 2 padding, HEADS, HEAD_DIM]
@@ -148,6 +161,7 @@ def torch_twin_as_kernel(monkeypatch):
         return result
 
     monkeypatch.setattr(cuda, "tree_attention_triton", twin)
+    monkeypatch.setattr(cuda, "tree_attention_step", lambda tree, *args, **kw: twin(*args, **kw))
 
 
 def one_request_oracle(batch: Batch, info: TreeAttentionInfo, r: int) -> torch.Tensor:

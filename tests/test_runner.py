@@ -12,7 +12,7 @@ from vllm_ddtree.runner import check_tree_backends
 
 
 class PlatformBackend:
-    """A vLLM backend without tree attention (no move_kv_slots)."""
+    """A vLLM backend without tree attention (no move_kv_slots_layers)."""
 
 
 def fake_runner(backends: dict[str, type], draft_layers=()) -> SimpleNamespace:

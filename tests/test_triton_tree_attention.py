@@ -10,6 +10,7 @@ through Triton's interpreter with ``TRITON_INTERPRET=1`` (slow: use ``-k``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from dataclasses import dataclass
@@ -18,14 +19,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.test_attention_reference import (
+    padded_tree_mask as reference_padded_tree_mask,
+)
+from tests.test_attention_reference import random_tree_parents, root_to_node
 from vllm_ddtree.attention.reference import (
     pack_tree_mask,
     tree_attention_reference,
     write_kv_to_cache,
 )
-from tests.test_attention_reference import padded_tree_mask as reference_padded_tree_mask
-from tests.test_attention_reference import random_tree_parents, root_to_node
-from vllm_ddtree.attention.triton_tree import tree_attention_triton
+from vllm_ddtree.attention.triton_tree import (
+    launch_tree_attention,
+    plan_signature,
+    plan_tree_attention,
+    tree_attention_triton,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 pytestmark = [
@@ -307,6 +315,35 @@ def test_cuda_graph_capture_without_host_sync():
     out.fill_(float("nan"))
     graph.replay()
     assert_close(out, run_reference(batch, mask))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_one_plan_serves_every_layer(num_splits: int):
+    """A plan made from one layer's tensors runs another layer of the same shapes
+    (other queries and caches): each output equals that layer's reference, and the
+    split scratch is shared without one layer's partials leaking into the next."""
+    budgets = [7, 16]
+    mask = padded_tree_mask(random_trees(budgets, seed=21), 17, seed=22)
+    first = make_batch([b + 1 for b in budgets], [40, 300], (4, 2), 64, torch.float32, seed=23)
+    # A second layer: same step metadata, other values (NaN slots stay NaN).
+    gen = torch.Generator(device=DEVICE).manual_seed(24)
+    second = dataclasses.replace(
+        first,
+        query=torch.randn(first.query.shape, generator=gen, device=DEVICE),
+        key_cache=first.key_cache * -0.7,
+        value_cache=first.value_cache.roll(1, dims=-1),
+    )
+    layers = [first, second]
+    plan = plan_tree_attention(
+        first.query, first.key_cache, first.value_cache, first.block_table,
+        first.seq_lens, first.query_start_loc, mask, SCALE, num_splits=num_splits,
+    )
+    assert plan.num_splits == num_splits
+    for layer in layers[::-1] + layers:
+        assert plan_signature(layer.query, layer.key_cache, layer.value_cache, None) == (
+            plan.signature)
+        out = launch_tree_attention(plan, layer.query, layer.key_cache, layer.value_cache)
+        assert_close(out, run_reference(layer, mask))
 
 
 def test_mask_narrower_than_verify_width_is_rejected():

@@ -21,12 +21,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_ddtree.attention.state import TreeAttentionInfo
-from vllm_ddtree.compaction import (
-    SlotMoves,
-    block_slot_moves,
-    plan_compaction,
-    plan_slots,
-)
+from vllm_ddtree.compaction import plan_compaction, plan_slots
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, chain_trees, select_trees
 from vllm_ddtree.sync import to_device
@@ -140,17 +135,18 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
     src_rows, dst_rows = plan.hidden_rows.flatten(), plan.dst_rows.flatten()
 
     # 1. KV of every target attention layer: node slots -> chain slots. Layers
-    #    of one KV-cache group share a slot mapping and page size, so the moves
-    #    are planned once per group and each layer only gathers and scatters.
-    planned: dict[tuple[int, int], SlotMoves] = {}
+    #    of one KV-cache group share a slot mapping, so the moves are planned
+    #    once per group and the backend moves all its layers (one launch on CUDA).
+    groups: dict[tuple[int, Any], tuple[torch.Tensor, Any, list[torch.Tensor]]] = {}
     for layer_name, kv_cache, backend in _target_kv_layers(runner):
         slot_mapping = _layer_slot_mapping(model_state.slot_mappings, layer_name)
-        if slot_mapping is None:
-            continue
-        key = (id(slot_mapping), kv_cache.shape[2])  # both layouts: page size at dim 2
-        if key not in planned:
-            planned[key] = block_slot_moves(*plan_slots(slot_mapping, plan), key[1])
-        backend.move_kv_slots(kv_cache, planned[key])
+        if slot_mapping is not None:
+            group = groups.setdefault((id(slot_mapping), backend), (slot_mapping, backend, []))
+            group[2].append(kv_cache)
+    num_reqs = plan.src_rows.shape[0]
+    for slot_mapping, backend, kv_caches in groups.values():
+        src, dst = plan_slots(slot_mapping, plan)  # request-major, depth order
+        backend.move_kv_slots_layers(kv_caches, src.view(num_reqs, -1), dst.view(num_reqs, -1))
 
     # 2. Rows the drafter reads as context: hidden states and token ids.
     tensors = [model_state.hidden_states, runner.input_ids.gpu]
@@ -220,7 +216,7 @@ def _target_kv_layers(runner: GPUModelRunner):
             if isinstance(kv_cache, (list, tuple)):
                 kv_cache = kv_cache[0]
             backend = getattr(layer, "attn_backend", None)
-            if not hasattr(backend, "move_kv_slots"):
+            if not hasattr(backend, "move_kv_slots_layers"):
                 raise NotImplementedError(
                     f"DDTree needs tree attention on every target layer, but layer "
                     f"{name} uses {getattr(backend, '__name__', backend)}, which has "

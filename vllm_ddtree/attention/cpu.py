@@ -27,7 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
 from vllm_ddtree.attention.reference import tree_attention_reference
 from vllm_ddtree.attention.state import TreeAttentionInfo
-from vllm_ddtree.compaction import SlotMoves
+from vllm_ddtree.compaction import SlotMoves, block_slot_moves
 
 # Cache interiors this module knows how to read (see the module docstring).
 _PLAIN_ISAS = ("vec", "vec16", "neon")
@@ -53,6 +53,18 @@ class DDTreeCPUAttentionBackend(CPUAttentionBackend):
         for cache in split_kv_cache(kv_cache):  # [nb, bs, h, d] strided views
             moved = cache[moves.src_block, moves.src_offset]  # gather every source first
             cache[moves.dst_block, moves.dst_offset] = moved
+
+    @staticmethod
+    def move_kv_slots_layers(
+        kv_caches: list[torch.Tensor],  # per layer, as in move_kv_slots
+        src_slots: torch.Tensor,  # [num_reqs, width] int64 flat slots
+        dst_slots: torch.Tensor,  # [num_reqs, width] int64
+    ) -> None:
+        """Compaction's KV moves for every layer of a cache group, layer by layer."""
+        page = kv_caches[0].shape[2]
+        moves = block_slot_moves(src_slots.flatten(), dst_slots.flatten(), page)
+        for kv_cache in kv_caches:
+            DDTreeCPUAttentionBackend.move_kv_slots(kv_cache, moves)
 
 
 @dataclass

@@ -24,6 +24,7 @@ dimension and V in the second; :func:`split_kv_cache` gives the strided
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.v1.attention.backends.flash_attn import (
@@ -40,9 +41,15 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
+from vllm_ddtree.attention.kv_move_triton import move_kv_slots_triton, triton_can_move
 from vllm_ddtree.attention.state import TreeAttentionInfo
-from vllm_ddtree.attention.triton_tree import tree_attention_triton
-from vllm_ddtree.compaction import SlotMoves
+from vllm_ddtree.attention.triton_tree import (
+    launch_tree_attention,
+    plan_signature,
+    plan_tree_attention,
+    tree_attention_triton,
+)
+from vllm_ddtree.compaction import SlotMoves, block_slot_moves
 from vllm_ddtree.sync import step_phase
 
 
@@ -66,6 +73,43 @@ def move_kv_slots(
     # The right-hand side is a gather into a new tensor: every source is read
     # before any destination is written, so overlapping moves are safe.
     per_slot[moves.dst_block, moves.dst_offset] = per_slot[moves.src_block, moves.src_offset]
+
+
+def move_kv_slots_layers(
+    kv_caches: list[torch.Tensor],  # per layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    src_slots: torch.Tensor,  # [num_reqs, width] int64 flat slots, moves in depth order
+    dst_slots: torch.Tensor,  # [num_reqs, width] int64
+) -> None:
+    """Compaction's KV moves for every layer of a cache group: one Triton launch on
+    CUDA, else (or for caches that differ in layout) :func:`move_kv_slots` per layer."""
+    if triton_can_move(kv_caches):
+        move_kv_slots_triton(kv_caches, src_slots, dst_slots)
+        return
+    moves = block_slot_moves(src_slots.flatten(), dst_slots.flatten(), kv_caches[0].shape[2])
+    for kv_cache in kv_caches:
+        move_kv_slots(kv_cache, moves)
+
+
+def tree_attention_step(
+    tree: TreeAttentionInfo,
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *metadata: Any,  # block_table, seq_lens, query_start_loc, packed mask, scale
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor,
+) -> None:
+    """tree_attention_triton over the whole batch, with its plan (checks, tiles,
+    splits, scratch) made by the step's first layer and reused by the others."""
+    signature = plan_signature(query, key_cache, value_cache, out)
+    plan = tree.attention_plans.get(signature)
+    if plan is None:
+        plan = tree.attention_plans[signature] = plan_tree_attention(
+            query, key_cache, value_cache, *metadata,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
+        )
+    launch_tree_attention(plan, query, key_cache, value_cache, out)
 
 
 class TreeRowsImplMixin:
@@ -114,8 +158,8 @@ class TreeRowsImplMixin:
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         if tree.all_rows_are_tree_rows:  # one call over the batch
             num_reqs = tree.num_reqs
-            tree_attention_triton(
-                query, key_cache, value_cache,
+            tree_attention_step(
+                tree, query, key_cache, value_cache,
                 attn_metadata.block_table[:num_reqs],
                 attn_metadata.seq_lens[:num_reqs],
                 attn_metadata.query_start_loc[: num_reqs + 1],
@@ -165,7 +209,7 @@ class DDTreeFlashAttentionBackend(FlashAttentionBackend):
     def get_builder_cls() -> type[DDTreeFlashAttentionMetadataBuilder]:
         return DDTreeFlashAttentionMetadataBuilder
 
-    move_kv_slots = staticmethod(move_kv_slots)
+    move_kv_slots_layers = staticmethod(move_kv_slots_layers)
 
 
 # --- TRITON_ATTN --------------------------------------------------------------
@@ -197,4 +241,4 @@ class DDTreeTritonAttentionBackend(TritonAttentionBackend):
     def get_builder_cls() -> type[DDTreeTritonAttentionMetadataBuilder]:
         return DDTreeTritonAttentionMetadataBuilder
 
-    move_kv_slots = staticmethod(move_kv_slots)
+    move_kv_slots_layers = staticmethod(move_kv_slots_layers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,9 @@ class TreeAttentionInfo:
     rows: torch.Tensor | None = None  # [num_tree_rows] int64, flat query rows of the trees
     req_index: torch.Tensor | None = None  # [num_tree_reqs] int64, = tree_reqs
     rows_query_start_loc: torch.Tensor | None = None  # [num_tree_reqs + 1] int32, over rows
+    # Tree-attention launch plans of this step by tensor signature (attention/cuda.py):
+    # made by the first layer, reused by the others.
+    attention_plans: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

@@ -36,9 +36,12 @@ from vllm_ddtree.attention.reference import BITS_PER_WORD, pack_tree_mask
 
 __all__ = [
     "TileConfig",
+    "TreeAttentionPlan",
     "choose_num_splits",
+    "launch_tree_attention",
     "merge_splits",
     "pick_tile_config",
+    "plan_tree_attention",
     "tree_attention_triton",
 ]
 
@@ -78,8 +81,67 @@ def tree_attention_triton(
     both); given, the call never synchronises and can be captured in a CUDA graph,
     otherwise they are read off the device. ``max_query_len`` sizes the grid, and
     ``max_seq_len`` only the split count (``num_splits`` overrides it). ``out`` is
-    written in full, padding rows included.
+    written in full, padding rows included. A step's layers share one
+    :func:`plan_tree_attention` and call :func:`launch_tree_attention` each.
     """
+    plan = plan_tree_attention(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, tree_mask,
+        scale, max_query_len=max_query_len, max_seq_len=max_seq_len, num_splits=num_splits,
+        out=out, config=config,
+    )
+    return launch_tree_attention(plan, query, key_cache, value_cache, out)
+
+
+@dataclass
+class TreeAttentionPlan:
+    """What a tree-attention call works out from shapes and metadata alone: checked,
+    sized and allocated once per step, then launched for every layer (a step's
+    layers differ only in their query, caches and output, never in shape)."""
+
+    signature: tuple  # shapes, strides and dtypes the plan was checked for
+    num_tokens: int
+    num_reqs: int
+    num_splits: int
+    grid: tuple[int, int, int]
+    part_out: torch.Tensor | None  # [num_splits, num_tokens, num_heads, head_dim] float32
+    part_lse: torch.Tensor | None  # [num_splits, num_tokens, num_heads] float32
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    step_args: tuple  # block table, seq lens, query_start_loc, mask and the scalars after them
+    stride_args: tuple  # K, V, block-table and mask strides (query's and out's: per launch)
+    constexprs: dict
+
+
+def plan_signature(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor | None,
+) -> tuple:
+    """What must be equal for two layers to share a plan."""
+    return (
+        query.shape, query.stride(), query.dtype, query.device,
+        key_cache.shape, key_cache.stride(), value_cache.stride(), key_cache.dtype,
+        None if out is None else (out.shape, out.stride(), out.dtype),
+    )
+
+
+def plan_tree_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, including the verify tokens
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    tree_mask: torch.Tensor | None,  # [num_reqs, max_q, max_q] bool, or packed int32
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    config: TileConfig | None = None,
+) -> TreeAttentionPlan:
+    """Check the inputs and choose tiles, splits and grid (tree_attention_triton's keywords)."""
     num_reqs = _check_inputs(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out
     )
@@ -96,11 +158,10 @@ def tree_attention_triton(
             f"{max_query_len}: the mask must be sized by budget + 1, not the drafter "
             f"block size"
         )
-    out = torch.empty_like(query) if out is None else out
-    if num_tokens == 0:
-        return out
-    if num_reqs == 0:
-        return out.zero_()
+    signature = plan_signature(query, key_cache, value_cache, out)
+    if num_tokens == 0 or num_reqs == 0:  # nothing to launch: empty, or all zeros
+        return TreeAttentionPlan(signature, num_tokens, num_reqs, 0, (0, 0, 0), None, None,
+                                 query_start_loc, (), (), {})
 
     group = num_heads // num_kv_heads
     num_sms = _num_sms(query.device)
@@ -114,6 +175,7 @@ def tree_attention_triton(
             max_seq_len = int(seq_lens.max())
         programs = num_reqs * num_kv_heads * num_q_tiles
         num_splits = choose_num_splits(programs, max_seq_len, num_sms)
+    part_out = part_lse = None
     if num_splits > 1:
         part_out = torch.empty(
             num_splits, num_tokens, num_heads, head_dim,
@@ -122,37 +184,63 @@ def tree_attention_triton(
         part_lse = torch.empty(
             num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device
         )
-    else:
-        part_out = part_lse = out  # unused
     mask_arg = mask if mask is not None else seq_lens  # unused without a mask
     mask_strides = mask.stride()[:2] if mask is not None else (0, 0)
-    # The extra request index (num_splits == 1) is the program that zeroes padding rows.
-    grid = (num_q_tiles, num_splits * num_kv_heads, num_reqs + (num_splits == 1))
-    tree_attention_kernel[grid](
-        out, part_out, part_lse,
-        query, key_cache, value_cache,
-        block_table, seq_lens, query_start_loc, mask_arg,
-        scale * LOG2_E,
-        num_reqs, num_tokens, num_splits,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        *key_cache.stride()[:3], *value_cache.stride()[:3],
-        block_table.stride(0), *mask_strides,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        PAGE_SIZE=key_cache.shape[1],
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        TOKENS_PER_TILE=tokens_per_tile,
-        HAS_MASK=mask is not None,
-        SPLIT=num_splits > 1,
-        DOT_PRECISION="tf32x3" if query.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+    return TreeAttentionPlan(
+        signature=signature,
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        num_splits=num_splits,
+        # The extra request index (num_splits == 1) is the program that zeroes padding rows.
+        grid=(num_q_tiles, num_splits * num_kv_heads, num_reqs + (num_splits == 1)),
+        part_out=part_out,
+        part_lse=part_lse,
+        query_start_loc=query_start_loc,
+        step_args=(block_table, seq_lens, query_start_loc, mask_arg, scale * LOG2_E,
+                   num_reqs, num_tokens, num_splits),
+        stride_args=(*key_cache.stride()[:3], *value_cache.stride()[:3],
+                     block_table.stride(0), *mask_strides),
+        constexprs={
+            "NUM_KV_HEADS": num_kv_heads,
+            "GROUP": group,
+            "HEAD_DIM": head_dim,
+            "HEAD_DIM_PAD": max(16, triton.next_power_of_2(head_dim)),
+            "PAGE_SIZE": key_cache.shape[1],
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n,
+            "TOKENS_PER_TILE": tokens_per_tile,
+            "HAS_MASK": mask is not None,
+            "SPLIT": num_splits > 1,
+            "DOT_PRECISION": "tf32x3" if query.dtype == torch.float32 else "tf32",
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+        },
     )
-    if num_splits > 1:
-        merge_splits(out, part_out, part_lse, query_start_loc)
+
+
+def launch_tree_attention(
+    plan: TreeAttentionPlan,
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], plan's signature
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Run a plan on one layer's tensors; the caller keeps plans by signature, so
+    ``plan_signature(query, key_cache, value_cache, out) == plan.signature``."""
+    out = torch.empty_like(query) if out is None else out
+    if plan.num_tokens == 0:
+        return out
+    if plan.num_reqs == 0:
+        return out.zero_()
+    part_out = plan.part_out if plan.part_out is not None else out  # unused without splits
+    part_lse = plan.part_lse if plan.part_lse is not None else out
+    tree_attention_kernel[plan.grid](
+        out, part_out, part_lse, query, key_cache, value_cache, *plan.step_args,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        *plan.stride_args, **plan.constexprs,
+    )
+    if plan.num_splits > 1:
+        merge_splits(out, plan.part_out, plan.part_lse, plan.query_start_loc)
     return out
 
 
