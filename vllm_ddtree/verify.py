@@ -6,8 +6,10 @@ token is the bonus. Every committed token is a target token at its true prefix, 
 is lossless at any temperature. Siblings carry distinct tokens, so at most one child
 matches.
 
-Batched over requests with masks (a loop over depth only), so walk_tree can be captured in
-a CUDA graph at fixed (num_reqs, budget, max_depth).
+Two implementations with identical outputs, both free of host syncs so a step can be
+captured in a CUDA graph at fixed (num_reqs, budget, max_depth): on CUDA the Triton kernel
+in verify_triton.py (the whole walk in one launch); elsewhere walk_tree below, its torch
+twin and test oracle (batched over requests with masks, a loop over depth).
 """
 
 from __future__ import annotations
@@ -31,16 +33,19 @@ def walk_tree(
     tree: DDTree,
     target_tokens: torch.Tensor,  # [num_reqs, budget + 1]; target token at every node
     max_depth: int,
+    *,
+    use_triton: bool | None = None,  # None: the Triton kernel on CUDA, else torch
 ) -> WalkResult:
-    """Follow the target's tokens down the tree; emit the accepted path in chain format."""
+    """Follow the target's tokens down the tree; emit the accepted path in chain format.
+    The loop below is the CPU path and the twin of verify_triton's one-launch kernel."""
+    check_walk_args(tree, target_tokens, max_depth)
+    if use_triton is None:
+        use_triton = tree.tokens.is_cuda
+    if use_triton:
+        from vllm_ddtree.verify_triton import walk_tree_triton
+
+        return walk_tree_triton(tree, target_tokens, max_depth)
     num_reqs, n = tree.tokens.shape
-    if target_tokens.shape != (num_reqs, n):
-        raise ValueError(
-            f"target_tokens must be [num_reqs, budget + 1] = {(num_reqs, n)}, "
-            f"got {tuple(target_tokens.shape)}"
-        )
-    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
-        raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
     target = target_tokens.to(torch.int64)
     device = tree.tokens.device
     # Column 0 (the root) is its own parent; it is never anyone's child.
@@ -66,6 +71,18 @@ def walk_tree(
         bonus_tokens=bonus,
         output_tokens=chain_output(tree.tokens, accepted_nodes, num_accepted, bonus),
     )
+
+
+def check_walk_args(tree: DDTree, target_tokens: torch.Tensor, max_depth: int) -> None:
+    """Shapes and depth shared by walk_tree and its Triton twin."""
+    num_reqs, n = tree.tokens.shape
+    if target_tokens.shape != (num_reqs, n):
+        raise ValueError(
+            f"target_tokens must be [num_reqs, budget + 1] = {(num_reqs, n)}, "
+            f"got {tuple(target_tokens.shape)}"
+        )
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
+        raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
 
 
 def chain_output(

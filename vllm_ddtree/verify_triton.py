@@ -1,0 +1,161 @@
+"""DDTree verification walk in Triton: the whole walk down the tree in one launch.
+
+Same signature and outputs as ``verify.walk_tree`` (its torch twin, the CPU path and the
+test oracle); verify.py defines the walk and the output formats. The torch walk costs a
+handful of small launches per depth, which dominates a host-launch-bound decode step; this
+kernel loops over depth inside one program per request.
+
+Kernel design (one program per request; BLOCK = next power of 2 >= budget + 1 lanes, one
+per node): the request's tokens, parents, valid flags and target tokens are loaded once
+into registers. Each depth reads the target token at the current node and looks for the
+valid child (node >= 1) carrying it; siblings carry distinct tokens, so at most one lane
+matches (the lowest is taken, as torch's argmax does). Once no child matches, the same
+query fails at every later depth, so the walk stays put without a separate alive flag.
+The accepted path and its tokens accumulate in registers and every output element is
+stored once at the end (no host sync, so the launch can be captured in a CUDA graph).
+The node count is a runtime argument (the sampler's width changes from step to step), so
+only BLOCK and max_depth select a compiled variant.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_ddtree.tree import DDTree
+from vllm_ddtree.verify import WalkResult, check_walk_args
+
+__all__ = ["walk_tree_triton"]
+
+
+def walk_tree_triton(
+    tree: DDTree,
+    target_tokens: torch.Tensor,  # [num_reqs, budget + 1] int32 or int64; target token at every node
+    max_depth: int,
+) -> WalkResult:
+    """Follow the target's tokens down the tree in one launch (Triton twin of verify.walk_tree)."""
+    _check_inputs(tree, target_tokens, max_depth)
+    num_reqs, n = tree.tokens.shape
+    device = tree.tokens.device
+    accepted_nodes = torch.empty(num_reqs, max_depth + 1, dtype=torch.int64, device=device)
+    num_accepted = torch.empty(num_reqs, dtype=torch.int64, device=device)
+    bonus_tokens = torch.empty(num_reqs, dtype=torch.int64, device=device)
+    output_tokens = torch.empty(num_reqs, n, dtype=torch.int64, device=device)
+    if num_reqs > 0:
+        # The sampler passes column slices of the stored trees ([:, :width]); row strides
+        # read them in place instead of copying (a copy is a launch per tensor).
+        tokens, parents = _unit_columns(tree.tokens), _unit_columns(tree.parents)
+        target = _unit_columns(target_tokens)
+        valid = _unit_columns(tree.valid).view(torch.uint8)
+        block = triton.next_power_of_2(n)
+        walk_tree_kernel[(num_reqs,)](
+            accepted_nodes,
+            num_accepted,
+            bonus_tokens,
+            output_tokens,
+            tokens,
+            parents,
+            valid,
+            target,
+            n,
+            tokens.stride(0),
+            parents.stride(0),
+            valid.stride(0),
+            target.stride(0),
+            MAX_DEPTH=max_depth,
+            BLOCK=block,
+            PATH_BLOCK=triton.next_power_of_2(max_depth + 1),
+            num_warps=1 if block <= 128 else (2 if block <= 256 else 4),
+        )
+    return WalkResult(
+        accepted_nodes=accepted_nodes,
+        num_accepted=num_accepted,
+        bonus_tokens=bonus_tokens,
+        output_tokens=output_tokens,
+    )
+
+
+def _unit_columns(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its columns are adjacent (any row stride), else a contiguous copy."""
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _check_inputs(tree: DDTree, target_tokens: torch.Tensor, max_depth: int) -> None:
+    check_walk_args(tree, target_tokens, max_depth)
+    if target_tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"target_tokens must be int32 or int64, got {target_tokens.dtype}")
+    for name in ("tokens", "parents"):
+        dtype = getattr(tree, name).dtype
+        if dtype != torch.int64:
+            raise ValueError(f"tree.{name} must be int64, got {dtype}")
+    if tree.valid.dtype != torch.bool or tree.valid.shape != tree.tokens.shape:
+        raise ValueError(
+            f"tree.valid must be bool {tuple(tree.tokens.shape)}, got "
+            f"{tree.valid.dtype} {tuple(tree.valid.shape)}"
+        )
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if tree.tokens.device.type != "cuda" and not interpret:
+        raise ValueError(
+            f"walk_tree_triton needs CUDA tensors, got {tree.tokens.device}; use verify.walk_tree"
+        )
+
+
+# ----------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n", "tokens_stride", "parents_stride", "valid_stride", "target_stride"])
+def walk_tree_kernel(
+    accepted_ptr,  # [num_reqs, MAX_DEPTH + 1] int64
+    num_accepted_ptr,  # [num_reqs] int64
+    bonus_ptr,  # [num_reqs] int64
+    output_ptr,  # [num_reqs, n] int64
+    tokens_ptr,  # [num_reqs, n] int64, row stride tokens_stride
+    parents_ptr,  # [num_reqs, n] int64, row stride parents_stride
+    valid_ptr,  # [num_reqs, n] uint8 (bool), row stride valid_stride
+    target_ptr,  # [num_reqs, n] int32 or int64, row stride target_stride
+    n,  # budget + 1 nodes per request (the sampler's width varies per step), column 0 the root
+    tokens_stride,
+    parents_stride,
+    valid_stride,
+    target_stride,
+    MAX_DEPTH: tl.constexpr,
+    BLOCK: tl.constexpr,  # power of 2 >= n: one lane per node
+    PATH_BLOCK: tl.constexpr,  # power of 2 >= MAX_DEPTH + 1: one lane per path depth
+):
+    req = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, BLOCK)
+    row = lane < n
+    tokens = tl.load(tokens_ptr + req * tokens_stride + lane, mask=row, other=0)
+    parents = tl.load(parents_ptr + req * parents_stride + lane, mask=row, other=-1)
+    target = tl.load(target_ptr + req * target_stride + lane, mask=row, other=0).to(tl.int64)
+    # Column 0 (the root) is its own parent; it is never anyone's child.
+    valid = tl.load(valid_ptr + req * valid_stride + lane, mask=row & (lane >= 1), other=0)
+    candidate = valid != 0
+
+    depth_lane = tl.arange(0, PATH_BLOCK)
+    path = tl.where(depth_lane == 0, 0, -1).to(tl.int64)  # node at each depth, -1 past k
+    path_tokens = tl.full([BLOCK], -1, tl.int64)  # chain format: token of path node j + 1
+    current = tl.full([], 0, tl.int32)
+    k = tl.full([], 0, tl.int32)
+    for d in range(MAX_DEPTH):
+        want = tl.sum(tl.where(lane == current, target, 0))  # target token at the current node
+        match = candidate & (parents == current) & (tokens == want)  # <= 1 lane
+        child = tl.min(tl.where(match, lane, BLOCK))
+        found = child < BLOCK
+        child_token = tl.sum(tl.where(lane == child, tokens, 0))
+        path = tl.where((depth_lane == d + 1) & found, child, path)
+        path_tokens = tl.where((lane == d) & found, child_token, path_tokens)
+        current = tl.where(found, child, current)
+        k += found.to(tl.int32)
+
+    bonus = tl.sum(tl.where(lane == current, target, 0))
+    out = tl.where(lane < k, path_tokens, tl.where(lane == k, bonus, -1))
+    tl.store(output_ptr + req * n + lane, out, mask=row)
+    tl.store(accepted_ptr + req * (MAX_DEPTH + 1) + depth_lane, path, mask=depth_lane <= MAX_DEPTH)
+    tl.store(num_accepted_ptr + req, k.to(tl.int64))
+    tl.store(bonus_ptr + req, bonus)
