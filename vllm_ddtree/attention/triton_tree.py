@@ -25,14 +25,18 @@ Kernel design (one program per query tile x KV head x KV split):
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.attention.reference import BITS_PER_WORD, pack_tree_mask
+from vllm_ddtree.attention.tree_attention_plan import (
+    TileConfig,
+    TreeAttentionPlan,
+    choose_num_splits,
+    pick_tile_config,
+    plan_signature,
+    plan_tree_attention,
+)
 
 __all__ = [
     "TileConfig",
@@ -41,22 +45,10 @@ __all__ = [
     "launch_tree_attention",
     "merge_splits",
     "pick_tile_config",
+    "plan_signature",
     "plan_tree_attention",
     "tree_attention_triton",
 ]
-
-LOG2_E = 1.4426950408889634
-MIN_SPLIT_KEYS = 256  # a KV split shorter than this costs more to merge than it saves
-MAX_SPLITS = 64
-WAVES = 2  # split until about this many programs per SM
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_m: int  # query rows per tile: verify tokens x query heads of one KV head
-    block_n: int  # keys per tile
-    num_warps: int
-    num_stages: int
 
 
 def tree_attention_triton(
@@ -90,132 +82,6 @@ def tree_attention_triton(
         out=out, config=config,
     )
     return launch_tree_attention(plan, query, key_cache, value_cache, out)
-
-
-@dataclass
-class TreeAttentionPlan:
-    """What a tree-attention call works out from shapes and metadata alone: checked,
-    sized and allocated once per step, then launched for every layer (a step's
-    layers differ only in their query, caches and output, never in shape)."""
-
-    signature: tuple  # shapes, strides and dtypes the plan was checked for
-    num_tokens: int
-    num_reqs: int
-    num_splits: int
-    grid: tuple[int, int, int]
-    part_out: torch.Tensor | None  # [num_splits, num_tokens, num_heads, head_dim] float32
-    part_lse: torch.Tensor | None  # [num_splits, num_tokens, num_heads] float32
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
-    step_args: tuple  # block table, seq lens, query_start_loc, mask and the scalars after them
-    stride_args: tuple  # K, V, block-table and mask strides (query's and out's: per launch)
-    constexprs: dict
-
-
-def plan_signature(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    out: torch.Tensor | None,
-) -> tuple:
-    """What must be equal for two layers to share a plan."""
-    return (
-        query.shape, query.stride(), query.dtype, query.device,
-        key_cache.shape, key_cache.stride(), value_cache.stride(), key_cache.dtype,
-        None if out is None else (out.shape, out.stride(), out.dtype),
-    )
-
-
-def plan_tree_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
-    seq_lens: torch.Tensor,  # [num_reqs] int32, including the verify tokens
-    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
-    tree_mask: torch.Tensor | None,  # [num_reqs, max_q, max_q] bool, or packed int32
-    scale: float,
-    *,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    config: TileConfig | None = None,
-) -> TreeAttentionPlan:
-    """Check the inputs and choose tiles, splits and grid (tree_attention_triton's keywords)."""
-    num_reqs = _check_inputs(
-        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out
-    )
-    if not scale > 0:
-        raise ValueError(f"scale must be positive, got {scale}")
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    mask = _packed_mask(tree_mask, num_reqs)
-    if max_query_len is None:
-        max_query_len = int(query_start_loc.diff().max()) if num_reqs else 0
-    if mask is not None and max_query_len > mask.shape[1]:
-        raise ValueError(
-            f"tree_mask covers {mask.shape[1]} verify tokens but a request has "
-            f"{max_query_len}: the mask must be sized by budget + 1, not the drafter "
-            f"block size"
-        )
-    signature = plan_signature(query, key_cache, value_cache, out)
-    if num_tokens == 0 or num_reqs == 0:  # nothing to launch: empty, or all zeros
-        return TreeAttentionPlan(signature, num_tokens, num_reqs, 0, (0, 0, 0), None, None,
-                                 query_start_loc, (), (), {})
-
-    group = num_heads // num_kv_heads
-    num_sms = _num_sms(query.device)
-    config = config or pick_tile_config(
-        head_dim, group, query.dtype, max_query_len, num_reqs * num_kv_heads, num_sms
-    )
-    tokens_per_tile = config.block_m // group
-    num_q_tiles = max(1, triton.cdiv(max_query_len, tokens_per_tile))
-    if num_splits is None:
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
-        programs = num_reqs * num_kv_heads * num_q_tiles
-        num_splits = choose_num_splits(programs, max_seq_len, num_sms)
-    part_out = part_lse = None
-    if num_splits > 1:
-        part_out = torch.empty(
-            num_splits, num_tokens, num_heads, head_dim,
-            dtype=torch.float32, device=query.device,
-        )
-        part_lse = torch.empty(
-            num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device
-        )
-    mask_arg = mask if mask is not None else seq_lens  # unused without a mask
-    mask_strides = mask.stride()[:2] if mask is not None else (0, 0)
-    return TreeAttentionPlan(
-        signature=signature,
-        num_tokens=num_tokens,
-        num_reqs=num_reqs,
-        num_splits=num_splits,
-        # The extra request index (num_splits == 1) is the program that zeroes padding rows.
-        grid=(num_q_tiles, num_splits * num_kv_heads, num_reqs + (num_splits == 1)),
-        part_out=part_out,
-        part_lse=part_lse,
-        query_start_loc=query_start_loc,
-        step_args=(block_table, seq_lens, query_start_loc, mask_arg, scale * LOG2_E,
-                   num_reqs, num_tokens, num_splits),
-        stride_args=(*key_cache.stride()[:3], *value_cache.stride()[:3],
-                     block_table.stride(0), *mask_strides),
-        constexprs={
-            "NUM_KV_HEADS": num_kv_heads,
-            "GROUP": group,
-            "HEAD_DIM": head_dim,
-            "HEAD_DIM_PAD": max(16, triton.next_power_of_2(head_dim)),
-            "PAGE_SIZE": key_cache.shape[1],
-            "BLOCK_M": config.block_m,
-            "BLOCK_N": config.block_n,
-            "TOKENS_PER_TILE": tokens_per_tile,
-            "HAS_MASK": mask is not None,
-            "SPLIT": num_splits > 1,
-            "DOT_PRECISION": "tf32x3" if query.dtype == torch.float32 else "tf32",
-            "num_warps": config.num_warps,
-            "num_stages": config.num_stages,
-        },
-    )
 
 
 def launch_tree_attention(
@@ -265,153 +131,6 @@ def merge_splits(
         BLOCK_H=block_h,
         num_warps=4,
     )
-
-
-def pick_tile_config(
-    head_dim: int,
-    group: int,
-    dtype: torch.dtype,
-    max_query_len: int,
-    num_pairs: int = 1 << 20,
-    num_sms: int = 132,
-) -> TileConfig:
-    """Tiles for Hopper, picked from an H200 sweep (benchmarks/README.md);
-    ``num_pairs`` = requests x KV heads.
-
-    16-bit, head_dim 128: 128 query rows x 128 keys, 3 stages (fastest on every swept
-    shape but one); 64 x 64 with 4 warps when a KV head has <= 128 query rows and at
-    most a quarter of the SMs would get one (batch-1 short trees: more, lighter CTAs
-    hide latency better); fewer
-    rows when a KV head has fewer than 128 query rows (decode-like rows). Head_dim 64:
-    128 x 64 (128 keys spill). Head_dim 256: 64 x 32. Float32 (3-pass tf32): small.
-    """
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    rows = max(1, max_query_len * group)
-    rows_pow2 = triton.next_power_of_2(rows)
-    min_rows = max(16, triton.next_power_of_2(group))  # at least one token per tile
-    if dtype == torch.float32:
-        block_m = max(min_rows, min(64, rows_pow2))
-        return TileConfig(block_m, 32 if head_dim_pad <= 64 else 16, 4, 1)
-    if head_dim_pad > 128:
-        block_m = max(min_rows, min(64, rows_pow2))
-        return TileConfig(block_m, 32, 8 if block_m >= 64 else 4, 2)
-    if rows <= 128 and num_pairs <= num_sms // 4:
-        return TileConfig(max(min_rows, min(64, rows_pow2)), 64, 4, 3)
-    block_m = max(min_rows, min(128, rows_pow2))
-    if block_m < 128:
-        return TileConfig(block_m, 64, 4, 3)
-    return TileConfig(block_m, 128 if head_dim_pad == 128 else 64, 8, 3)
-
-
-def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
-    """Split the keys until about WAVES programs per SM, keeping >= MIN_SPLIT_KEYS each."""
-    if programs >= num_sms:
-        return 1
-    want = triton.cdiv(WAVES * num_sms, programs)
-    return max(1, min(want, max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs on the CPU: plan as for an H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _packed_mask(
-    tree_mask: torch.Tensor | None, num_reqs: int
-) -> torch.Tensor | None:  # [num_reqs, max_q, num_words] int32
-    if tree_mask is None:
-        return None
-    if tree_mask.dtype == torch.bool:
-        if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2]:
-            raise ValueError(
-                f"a bool tree_mask must be [num_reqs, max_q, max_q], got "
-                f"{tuple(tree_mask.shape)}"
-            )
-        tree_mask = pack_tree_mask(tree_mask)
-    if tree_mask.dtype != torch.int32 or tree_mask.dim() != 3:
-        raise ValueError(
-            f"tree_mask must be bool [num_reqs, max_q, max_q] or packed int32 "
-            f"[num_reqs, max_q, num_words], got {tree_mask.dtype} "
-            f"{tuple(tree_mask.shape)}"
-        )
-    num_words = -(-tree_mask.shape[1] // BITS_PER_WORD)
-    if tree_mask.shape[0] != num_reqs or tree_mask.shape[2] < num_words:
-        raise ValueError(
-            f"packed tree_mask must be [num_reqs={num_reqs}, max_q, >= ceil(max_q / 32)], "
-            f"got {tuple(tree_mask.shape)}"
-        )
-    if tree_mask.stride(2) != 1:
-        tree_mask = tree_mask.contiguous()
-    return tree_mask
-
-
-def _check_inputs(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    out: torch.Tensor | None,
-) -> int:
-    """Shape, dtype and device checks that need no device sync; returns num_reqs."""
-    if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(
-            f"expected query [num_tokens, num_heads, head_dim] and equal caches "
-            f"[num_blocks, block_size, num_kv_heads, head_dim], got query "
-            f"{tuple(query.shape)}, key_cache {tuple(key_cache.shape)}, "
-            f"value_cache {tuple(value_cache.shape)}"
-        )
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads, cache_head_dim = key_cache.shape[2:]
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"query has {num_heads} heads of dim {head_dim}, cache has {num_kv_heads} "
-            f"KV heads of dim {cache_head_dim}: need equal dims and num_heads a "
-            f"multiple of num_kv_heads"
-        )
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (
-        query.dtype == key_cache.dtype == value_cache.dtype
-    ):
-        raise ValueError(
-            f"query, key_cache and value_cache must share one of float16, bfloat16, "
-            f"float32; got {query.dtype}, {key_cache.dtype}, {value_cache.dtype}"
-        )
-    if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
-        raise ValueError("query and the caches need a contiguous head_dim (stride 1)")
-    num_reqs = seq_lens.shape[0]
-    metadata = (block_table, seq_lens, query_start_loc)
-    if (
-        query_start_loc.shape != (num_reqs + 1,)
-        or block_table.dim() != 2
-        or block_table.shape[0] != num_reqs
-        or any(t.dtype != torch.int32 for t in metadata)
-    ):
-        raise ValueError(
-            f"{num_reqs} requests need int32 query_start_loc ({num_reqs + 1},) and "
-            f"int32 block_table ({num_reqs}, max_blocks); got "
-            f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}, "
-            f"{block_table.dtype} {tuple(block_table.shape)}, seq_lens {seq_lens.dtype}"
-        )
-    if block_table.stride(1) != 1 or not seq_lens.is_contiguous():
-        raise ValueError("block_table rows and seq_lens must be contiguous")
-    if not query_start_loc.is_contiguous():
-        raise ValueError("query_start_loc must be contiguous")
-    if out is not None and (
-        out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1
-    ):
-        raise ValueError(
-            f"out must match query {tuple(query.shape)} {query.dtype} with a "
-            f"contiguous head_dim, got {tuple(out.shape)} {out.dtype}"
-        )
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if query.device.type != "cuda" and not interpret:
-        raise ValueError(
-            f"tree_attention_triton needs CUDA tensors, got {query.device}; use "
-            f"tree_attention_reference on the CPU"
-        )
-    return num_reqs
 
 
 # ----------------------------------------------------------------------------------
