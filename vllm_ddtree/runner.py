@@ -23,7 +23,7 @@ from vllm.logger import init_logger
 from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.compaction import plan_compaction, plan_slots
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, chain_trees, select_trees
+from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, step_trees
 from vllm_ddtree.sync import to_device
 from vllm_ddtree.tree import DDTree
 
@@ -93,15 +93,16 @@ def begin_verify_step(
     # Trees come from the drafter; any request without one (or whose drafts
     # were changed on the way, or that is grammar-constrained) is verified as
     # the chain it was sent as.
-    chains = chain_trees(spec_decode_metadata, num_scheduled, width)
-    tree = chains
     drafted: DDTree | None = getattr(runner.drafter, "last_tree", None)
+    index = None
     if drafted is not None and state.tree_rows:
-        index = [
+        rows = [
             -1 if _has_grammar(runner, rid) else state.tree_rows.get(rid, -1)
             for rid in runner.input_batch.req_ids
         ]
-        tree = select_trees(drafted, to_device(torch.tensor(index), device), chains, num_scheduled)
+        index = to_device(torch.tensor(rows, dtype=torch.int64), device)
+    tree = step_trees(drafted if index is not None else None, index, spec_decode_metadata,
+                      num_scheduled, width)
 
     # Siblings share a position: node i of a request sits at start + depth_i
     # (its KV slot stays start + i, from vLLM's slot mapping).

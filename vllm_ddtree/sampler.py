@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
+from torch import nn
 from vllm.logger import init_logger
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.penalties import apply_all_penalties
@@ -136,6 +136,30 @@ def chain_step(metadata: SpecDecodeMetadata, device: torch.device) -> TreeVerify
         row_start=cu_sampled - num_scheduled - 1,
         max_depth=max(width - 1, 1),
     )
+
+
+def step_trees(
+    drafted: DDTree | None,  # the drafter's last trees, [num_prev_reqs, budget + 1] per field
+    index: torch.Tensor | None,  # [num_reqs] int64, row in `drafted` (-1: none); with drafted
+    metadata: SpecDecodeMetadata,
+    num_scheduled: torch.Tensor,  # [num_reqs] int64
+    width: int,
+    *,
+    use_triton: bool | None = None,  # None: the Triton kernel on CUDA, else torch
+) -> DDTree:
+    """The tree each request verifies: its drafted tree where the scheduled drafts
+    match it (select_trees), else the chain it was sent as (chain_trees)."""
+    if use_triton is None:
+        use_triton = num_scheduled.is_cuda
+    if use_triton:
+        from vllm_ddtree.step_tree_triton import step_trees_triton
+
+        return step_trees_triton(drafted, index, metadata.draft_token_ids,
+                                 metadata.cu_num_draft_tokens, num_scheduled, width)
+    chains = chain_trees(metadata, num_scheduled, width)
+    if drafted is None or index is None:
+        return chains
+    return select_trees(drafted, index, chains, num_scheduled)
 
 
 def chain_trees(

@@ -1,0 +1,94 @@
+"""vllm_ddtree/step_tree_triton.py against its torch twin, sampler.step_trees on torch.
+
+Each case draws drafted trees (random drafters, top-k caps, padding nodes) and sends
+each request one of: its whole tree, a prefix of it, drafts that differ from it, no
+drafts, or no tree at all (index -1, or no drafted trees this step); all six DDTree
+fields must match exactly, and the kernel's outputs start as garbage (poisoned
+torch.empty). Run on the CPU through Triton's interpreter with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from tests.test_sampler import _metadata
+from tests.test_tree_triton import poisoned_empty
+from vllm_ddtree.sampler import step_trees
+from vllm_ddtree.step_tree_triton import step_trees_triton
+from vllm_ddtree.tree import build_ddtree
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() and not INTERPRET, reason="needs CUDA"),
+]
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FIELDS = ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes")
+
+
+def make_step(num_reqs: int, budget: int, depth: int, cap: int | None, rng: random.Random):
+    """Drafted trees, the drafts each request was sent, and its row index."""
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    num_prev = num_reqs + 1  # trees of a batch in which one request has since finished
+    logprobs = torch.randn(num_prev, depth, 9, generator=gen).log_softmax(-1)
+    drafted = build_ddtree(logprobs, torch.arange(num_prev), budget, topk_cap=cap)
+    rows = rng.sample(range(num_prev), num_reqs)
+    sent, index = [], []
+    for r in rows:
+        nodes = drafted.tokens[r, 1:].tolist()
+        kind = rng.choice(["all", "prefix", "differs", "none", "unknown"])
+        if kind == "prefix":
+            nodes = nodes[: rng.randint(1, budget)]
+        elif kind == "differs":
+            k = rng.randrange(budget)
+            nodes[k] = (nodes[k] + 1) % 9
+        elif kind == "none":
+            nodes = []
+        sent.append(nodes)
+        index.append(-1 if kind == "unknown" else r)
+    return drafted, torch.tensor(index), _metadata(sent)
+
+
+def on_device(tree):
+    return type(tree)(*(getattr(tree, f).to(DEVICE) for f in FIELDS))
+
+
+@pytest.mark.parametrize("budget,depth,cap", [
+    (1, 1, None), (3, 2, None), (7, 7, 1), (8, 3, 2), (16, 15, None), (17, 7, 4),
+    (31, 15, 3), (64, 15, None),
+])
+def test_kernel_matches_torch(monkeypatch, budget, depth, cap):
+    monkeypatch.setattr(torch, "empty", poisoned_empty(torch.empty))
+    rng = random.Random(budget * 100 + depth)
+    for num_reqs in (1, 2, 5):
+        drafted, index, meta = make_step(num_reqs, budget, depth, cap, rng)
+        n = torch.tensor(meta.num_draft_tokens)
+        width = int(n.max()) + 1
+        for with_trees in (True, False):
+            tree, rows = (drafted, index) if with_trees else (None, None)
+            want = step_trees(tree, rows, meta, n, width, use_triton=False)
+            meta_dev = _metadata([[]])
+            meta_dev.draft_token_ids = meta.draft_token_ids.to(DEVICE).to(torch.int32)
+            meta_dev.cu_num_draft_tokens = meta.cu_num_draft_tokens.to(DEVICE)
+            got = step_trees(
+                None if tree is None else on_device(tree),
+                None if rows is None else rows.to(DEVICE),
+                meta_dev, n.to(DEVICE), width, use_triton=True,
+            )
+            for f in FIELDS:
+                assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), (f, with_trees)
+
+
+def test_checks():
+    drafted, index, meta = make_step(2, 4, 3, None, random.Random(0))
+    n = torch.tensor(meta.num_draft_tokens)
+    with pytest.raises(ValueError, match="budget 4"):
+        step_trees_triton(drafted, index, meta.draft_token_ids, meta.cu_num_draft_tokens,
+                          n, width=6)
+    with pytest.raises(ValueError, match="num_reqs=2"):
+        step_trees_triton(drafted, index[:1], meta.draft_token_ids,
+                          meta.cu_num_draft_tokens, n, width=5)

@@ -1,0 +1,184 @@
+"""The trees a verify step checks, chosen and laid out in one Triton launch.
+
+Same outputs as ``sampler.step_trees`` on its torch path (``chain_trees`` then
+``select_trees``, the CPU path and the test oracle), which defines the rule: each
+request verifies the tree its drafter built when the drafts the scheduler sent are
+that tree's tokens (or a prefix of them), and otherwise the chain it was sent as.
+The torch path costs some sixty small launches per step; this is one.
+
+Kernel design (one program per request; BLOCK = next power of 2 >= width lanes, one
+per node): the chain comes from the flat draft list (node i > 0 is draft i - 1 of
+the request), the drafted row from the drafter's last trees; one comparison over the
+scheduled nodes decides which the request uses. Then the per-node fields are stored
+and the ancestor mask is written row by row (the tree's rows, or the chain's
+lower triangle over the scheduled nodes with {self} for the rest).
+Bool tensors travel as uint8.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_ddtree.tree import DDTree
+
+__all__ = ["step_trees_triton"]
+
+
+def step_trees_triton(
+    drafted: DDTree | None,  # [num_prev_reqs, budget + 1] per field; None: chains only
+    index: torch.Tensor | None,  # [num_reqs] int64, row in `drafted` (-1: none); with drafted
+    draft_token_ids: torch.Tensor,  # [total drafts] the scheduled drafts, request-major
+    cu_num_draft_tokens: torch.Tensor,  # [num_reqs] cumulative drafts per request
+    num_scheduled: torch.Tensor,  # [num_reqs] int64, drafts sent per request
+    width: int,  # verify width: the widest request's drafts + 1
+) -> DDTree:
+    """The tree each request verifies this step (Triton twin of sampler.step_trees)."""
+    num_reqs = num_scheduled.shape[0]
+    device = num_scheduled.device
+    _check_inputs(drafted, index, cu_num_draft_tokens, num_scheduled, width)
+    tokens = torch.empty(num_reqs, width, dtype=torch.int64, device=device)
+    parents = torch.empty_like(tokens)
+    depths = torch.empty_like(tokens)
+    valid = torch.empty(num_reqs, width, dtype=torch.bool, device=device)
+    mask = torch.empty(num_reqs, width, width, dtype=torch.bool, device=device)
+    num_nodes = torch.empty(num_reqs, dtype=torch.int64, device=device)
+    if num_reqs == 0:
+        return DDTree(tokens, parents, depths, valid, mask, num_nodes)
+    has_drafted = drafted is not None and index is not None
+    if not has_drafted:
+        drafted = index = None
+    source = drafted if has_drafted else DDTree(tokens, parents, depths, valid, mask, num_nodes)
+    drafts = draft_token_ids if draft_token_ids.numel() > 0 else num_scheduled  # never read
+    step_trees_kernel[(num_reqs,)](
+        tokens, parents, depths, valid.view(torch.uint8), mask.view(torch.uint8), num_nodes,
+        source.tokens, source.parents, source.depths,
+        source.valid.view(torch.uint8), source.ancestor_mask.view(torch.uint8),
+        (index if has_drafted else num_scheduled).contiguous(), drafts.contiguous(), cu_num_draft_tokens.contiguous(),
+        num_scheduled.contiguous(),
+        width, draft_token_ids.numel(),
+        source.tokens.stride(0), source.ancestor_mask.stride(0), source.ancestor_mask.stride(1),
+        HAS_DRAFTED=has_drafted,
+        BLOCK=triton.next_power_of_2(width),
+    )
+    return DDTree(tokens, parents, depths, valid, mask, num_nodes)
+
+
+def _check_inputs(
+    drafted: DDTree | None,
+    index: torch.Tensor | None,
+    cu_num_draft_tokens: torch.Tensor,
+    num_scheduled: torch.Tensor,
+    width: int,
+) -> None:
+    """Shape and layout checks that need no device sync."""
+    num_reqs = num_scheduled.shape[0]
+    if cu_num_draft_tokens.shape != (num_reqs,) or (
+        index is not None and index.shape != (num_reqs,)
+    ):
+        raise ValueError(
+            f"index and cu_num_draft_tokens must be [num_reqs={num_reqs}], got "
+            f"{None if index is None else tuple(index.shape)} and "
+            f"{tuple(cu_num_draft_tokens.shape)}"
+        )
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    if drafted is not None:
+        budget1 = drafted.tokens.shape[1]
+        if width > budget1:
+            raise ValueError(
+                f"{width - 1} drafts were scheduled but trees have budget {budget1 - 1}."
+            )
+        for field in (drafted.tokens, drafted.parents, drafted.depths, drafted.valid):
+            if field.stride() != drafted.tokens.stride() or field.stride(1) != 1:
+                raise ValueError("drafted tree fields must share one row-major layout")
+        if drafted.ancestor_mask.stride(2) != 1:
+            raise ValueError("the drafted ancestor mask needs contiguous rows")
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not num_scheduled.is_cuda and not interpret:
+        raise ValueError(
+            f"step_trees_triton needs CUDA tensors, got {num_scheduled.device}; use "
+            f"sampler.step_trees on the CPU"
+        )
+
+
+# ----------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["width", "num_drafts", "row_stride", "mask_stride_r",
+                               "mask_stride_i"])
+def step_trees_kernel(
+    tokens_ptr,  # [num_reqs, width] int64 (out)
+    parents_ptr,  # [num_reqs, width] int64 (out)
+    depths_ptr,  # [num_reqs, width] int64 (out)
+    valid_ptr,  # [num_reqs, width] uint8 (out)
+    mask_ptr,  # [num_reqs, width, width] uint8 (out)
+    num_nodes_ptr,  # [num_reqs] int64 (out)
+    tree_tokens_ptr,  # [num_prev_reqs, budget + 1] int64, the drafter's trees (HAS_DRAFTED)
+    tree_parents_ptr,  # [num_prev_reqs, budget + 1] int64
+    tree_depths_ptr,  # [num_prev_reqs, budget + 1] int64
+    tree_valid_ptr,  # [num_prev_reqs, budget + 1] uint8
+    tree_mask_ptr,  # [num_prev_reqs, budget + 1, budget + 1] uint8
+    index_ptr,  # [num_reqs] int64, -1: no tree
+    drafts_ptr,  # [num_drafts] the scheduled draft tokens
+    cu_drafts_ptr,  # [num_reqs] cumulative drafts
+    num_scheduled_ptr,  # [num_reqs] int64
+    width,
+    num_drafts,
+    row_stride,  # the drafted fields' row stride
+    mask_stride_r,
+    mask_stride_i,
+    HAS_DRAFTED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    req = tl.program_id(0)
+    node = tl.arange(0, BLOCK)
+    in_width = node < width
+    scheduled = tl.load(num_scheduled_ptr + req)
+    present = node <= scheduled
+    first = tl.load(cu_drafts_ptr + req).to(tl.int64) - scheduled
+    draft = tl.minimum(tl.maximum(first + node - 1, 0), tl.maximum(num_drafts - 1, 0))
+    is_draft = present & (node > 0) & in_width
+    chain_tokens = tl.load(drafts_ptr + draft, mask=is_draft, other=0).to(tl.int64)
+    chain_tokens = tl.where(is_draft, chain_tokens, 0)
+
+    if HAS_DRAFTED:
+        index = tl.load(index_ptr + req)
+        row = tl.maximum(index, 0)
+        picked = tl.load(tree_tokens_ptr + row * row_stride + node, mask=in_width, other=0)
+        differs = (picked != chain_tokens) & present & (node > 0) & in_width
+        use = (index >= 0) & (tl.sum(differs.to(tl.int32), axis=0) == 0)
+    else:
+        row = scheduled * 0
+        use = scheduled < 0  # never: no trees this step
+
+    out = req.to(tl.int64) * width + node
+    if use:
+        at = row * row_stride + node
+        tl.store(tokens_ptr + out, tl.load(tree_tokens_ptr + at, mask=in_width), mask=in_width)
+        tl.store(parents_ptr + out, tl.load(tree_parents_ptr + at, mask=in_width), mask=in_width)
+        tl.store(depths_ptr + out, tl.load(tree_depths_ptr + at, mask=in_width), mask=in_width)
+        valid = (tl.load(tree_valid_ptr + at, mask=in_width, other=0) != 0) & present & in_width
+        tl.store(valid_ptr + out, valid.to(tl.uint8), mask=in_width)
+        count = tl.sum((valid & (node > 0)).to(tl.int64), axis=0)
+        tl.store(num_nodes_ptr + req, count)
+        for i in range(width):
+            mask_row = tl.load(tree_mask_ptr + row * mask_stride_r + i * mask_stride_i + node,
+                               mask=in_width, other=0)
+            tl.store(mask_ptr + (req.to(tl.int64) * width + i) * width + node, mask_row,
+                     mask=in_width)
+    else:
+        tl.store(tokens_ptr + out, chain_tokens, mask=in_width)
+        tl.store(parents_ptr + out, tl.maximum(node - 1, 0).to(tl.int64), mask=in_width)
+        tl.store(depths_ptr + out, tl.where(present, node, 0).to(tl.int64), mask=in_width)
+        tl.store(valid_ptr + out, present.to(tl.uint8), mask=in_width)
+        tl.store(num_nodes_ptr + req, scheduled)
+        for i in range(width):  # scheduled rows: the causal chain; the rest: {self}
+            mask_row = tl.where(i <= scheduled, (node <= i) & present, node == i)
+            tl.store(mask_ptr + (req.to(tl.int64) * width + i) * width + node,
+                     mask_row.to(tl.uint8), mask=in_width)
