@@ -100,3 +100,31 @@ def test_dispatch_takes_the_kernel_for_alike_caches_only():
         move_kv_slots_triton([caches[0], caches[1].float()], src, dst)
     with pytest.raises(ValueError, match=r"\[num_reqs, width\]"):
         move_kv_slots_triton(caches, src.flatten(), dst.flatten())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync checks, graphs)")
+def test_no_host_sync_and_graph_replay():
+    """One launch, no host sync, and a captured launch replays new moves correctly."""
+    gen = torch.Generator().manual_seed(7)
+    caches = make_caches(4, 40, 8, 16, 256, torch.bfloat16, gen)
+    src = torch.tensor([[0, 5, 9, 0], [32, 40, 41, 44]], device=DEVICE)
+    dst = torch.tensor([[0, 1, 2, 0], [32, 33, 34, 35]], device=DEVICE)
+    move_kv_slots_triton(caches, src, dst)  # compile outside the sync check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        move_kv_slots_triton(caches, src, dst)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static_src, static_dst = src.clone(), dst.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        move_kv_slots_triton(caches, static_src, static_dst)
+    static_src.copy_(torch.tensor([[0, 3, 4, 0], [32, 34, 37, 38]]))
+    static_dst.copy_(torch.tensor([[0, 1, 2, 0], [32, 33, 34, 35]]))
+    expected = [c.clone() for c in caches]
+    moves = block_slot_moves(static_src.flatten(), static_dst.flatten(), 16)
+    for cache in expected:
+        cuda.move_kv_slots(cache, moves)
+    graph.replay()
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(bits(got), bits(want))

@@ -92,3 +92,27 @@ def test_checks():
     with pytest.raises(ValueError, match="num_reqs=2"):
         step_trees_triton(drafted, index[:1], meta.draft_token_ids,
                           meta.cu_num_draft_tokens, n, width=5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync checks, graphs)")
+def test_cuda_default_is_kernel_without_host_sync_and_graph_safe():
+    drafted, index, meta = make_step(4, 16, 7, 4, random.Random(3))
+    n = torch.tensor(meta.num_draft_tokens)
+    width = int(n.max()) + 1
+    want = step_trees(drafted, index, meta, n, width, use_triton=False)
+    meta.draft_token_ids = meta.draft_token_ids.cuda()
+    meta.cu_num_draft_tokens = meta.cu_num_draft_tokens.cuda()
+    args = (on_device(drafted), index.cuda(), meta, n.cuda(), width)
+    step_trees(*args)  # compile outside the sync check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step_trees(*args)  # default on CUDA: the kernel
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step_trees(*args)
+    graph.replay()
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+        assert torch.equal(getattr(captured, f).cpu(), getattr(want, f)), f
