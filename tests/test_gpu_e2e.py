@@ -49,12 +49,12 @@ BLOCK = 8
 MAX_TOKENS = 24
 BUDGETS = [1, 7, 8, 16, 17, 31, 64]
 PROMPTS16 = PROMPTS + [f"{p} {p}" for p in PROMPTS]
-GPU_KW = dict(
+GPU_KW = {
     # Several engines share the GPU under pytest-xdist: a fixed KV cache size
     # keeps their memory profiles from seeing one another.
-    gpu_memory_utilization=0.05, kv_cache_memory_bytes=512 << 20, max_num_seqs=16,
-    max_model_len=512,
-)
+    "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16,
+    "max_model_len": 512,
+}
 # A greedy divergence must start where the reference's two best tokens are this
 # close in log-probability: a tie within rounding, which a different reduction
 # order (GEMM shapes change with the verify width; tree vs decode attention) flips.

@@ -128,3 +128,26 @@ def test_no_host_sync_and_graph_replay():
     graph.replay()
     for got, want in zip(caches, expected, strict=True):
         assert torch.equal(bits(got), bits(want))
+
+
+def test_caches_reused_at_the_same_addresses_with_another_dtype():
+    """Layer offsets count elements: caches of another element size at the same
+    addresses (freed memory handed out again) must not reuse cached offsets."""
+    gen = torch.Generator().manual_seed(11)
+    shape, spacing = (4, 2, 4, 8), 4096  # bytes between layers: room for any dtype here
+    buffer = torch.zeros(3 * spacing, dtype=torch.uint8, device=DEVICE)
+    src = torch.tensor([[0, 2, 3], [8, 10, 8]], device=DEVICE)
+    dst = torch.tensor([[0, 1, 2], [8, 9, 8]], device=DEVICE)
+    for dtype in (torch.bfloat16, torch.float32):
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        caches = [buffer[i * spacing : i * spacing + nbytes].view(dtype).view(shape)
+                  for i in (1, 0, 2)]  # the first layer in the middle: offsets of both signs
+        for cache in caches:
+            cache.copy_(torch.randn(shape, generator=gen).to(dtype))
+        expected = [c.cpu().clone() for c in caches]
+        moves = block_slot_moves(src.flatten().cpu(), dst.flatten().cpu(), shape[2])
+        for cache in expected:
+            cuda.move_kv_slots(cache, moves)
+        move_kv_slots_triton(caches, src, dst)
+        for got, want in zip(caches, expected, strict=True):
+            assert torch.equal(bits(got), bits(want))

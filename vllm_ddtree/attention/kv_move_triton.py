@@ -34,7 +34,7 @@ from vllm_ddtree.sync import to_device
 __all__ = ["move_kv_slots_triton", "triton_can_move"]
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # element size -> raw view
-_offsets_cache: dict[tuple[int, ...], torch.Tensor] = {}
+_offsets_cache: dict[tuple, torch.Tensor] = {}  # (device, element size, pointers) -> offsets
 
 
 def triton_can_move(kv_caches: Sequence[torch.Tensor]) -> bool:
@@ -102,11 +102,12 @@ def _layer_offsets(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:  # [num_l
     """Element offset of each layer's cache from the first, on the caches' device.
     vLLM never moves a cache once allocated, so each set is computed once."""
     pointers = tuple(c.data_ptr() for c in kv_caches)
-    offsets = _offsets_cache.get(pointers)
+    size = kv_caches[0].element_size()
+    key = (kv_caches[0].device, size, pointers)  # offsets count elements of this size
+    offsets = _offsets_cache.get(key)
     if offsets is None:
-        size = kv_caches[0].element_size()
         host = torch.tensor([(p - pointers[0]) // size for p in pointers], dtype=torch.int64)
-        offsets = _offsets_cache[pointers] = to_device(host, kv_caches[0].device)
+        offsets = _offsets_cache[key] = to_device(host, kv_caches[0].device)
     return offsets
 
 
