@@ -346,6 +346,30 @@ def test_one_plan_serves_every_layer(num_splits: int):
         assert_close(out, run_reference(layer, mask))
 
 
+def test_step_plans_are_kept_per_metadata():
+    """Two KV-cache groups with alike layers but block tables of their own share a
+    step's tree: each group's layers must run with its own metadata."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.attention.cuda import tree_attention_step
+
+    budgets = [7, 16]
+    mask = padded_tree_mask(random_trees(budgets, seed=31), 17, seed=32)
+    groups = [make_batch([b + 1 for b in budgets], [40, 300], (4, 2), 64, torch.float32,
+                         seed=s) for s in (33, 34)]
+    assert not torch.equal(groups[0].block_table, groups[1].block_table)
+    tree = SimpleNamespace(attention_plans={})
+    for group in groups + groups:
+        out = torch.full_like(group.query, float("nan"))
+        tree_attention_step(
+            tree, group.query, group.key_cache, group.value_cache, group.block_table,
+            group.seq_lens, group.query_start_loc, mask, SCALE,
+            max_query_len=17, max_seq_len=int(group.seq_lens.max()), out=out,
+        )
+        assert_close(out, run_reference(group, mask))
+    assert len(tree.attention_plans) == 2
+
+
 def test_mask_narrower_than_verify_width_is_rejected():
     # The SGLang bug: a mask sized by the drafter block size (8) for budget 16.
     batch = make_batch([17], [4], (8, 2), 64, BF16, seed=0)

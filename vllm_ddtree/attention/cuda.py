@@ -101,11 +101,14 @@ def tree_attention_step(
     out: torch.Tensor,
 ) -> None:
     """tree_attention_triton over the whole batch, with its plan (checks, tiles,
-    splits, scratch) made by the step's first layer and reused by the others."""
-    signature = plan_signature(query, key_cache, value_cache, out)
-    plan = tree.attention_plans.get(signature)
+    splits, scratch) made by the step's first layer and reused by the others.
+    Plans are kept by shapes and by the metadata's storage: KV-cache groups with
+    alike layers still have block tables of their own."""
+    storage = tuple(t.data_ptr() for t in metadata if isinstance(t, torch.Tensor))
+    key = (plan_signature(query, key_cache, value_cache, out), storage)
+    plan = tree.attention_plans.get(key)
     if plan is None:
-        plan = tree.attention_plans[signature] = plan_tree_attention(
+        plan = tree.attention_plans[key] = plan_tree_attention(
             query, key_cache, value_cache, *metadata,
             max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
         )

@@ -35,8 +35,8 @@ class TreeAttentionInfo:
     rows: torch.Tensor | None = None  # [num_tree_rows] int64, flat query rows of the trees
     req_index: torch.Tensor | None = None  # [num_tree_reqs] int64, = tree_reqs
     rows_query_start_loc: torch.Tensor | None = None  # [num_tree_reqs + 1] int32, over rows
-    # Tree-attention launch plans of this step by tensor signature (attention/cuda.py):
-    # made by the first layer, reused by the others.
+    # Tree-attention launch plans of this step by tensor signature and metadata
+    # (attention/cuda.py): made by a group's first layer, reused by the others.
     attention_plans: dict = field(default_factory=dict)
 
     @property
