@@ -101,8 +101,7 @@ def begin_verify_step(
             for rid in runner.input_batch.req_ids
         ]
         index = to_device(torch.tensor(rows, dtype=torch.int64), device)
-    tree = step_trees(drafted if index is not None else None, index, spec_decode_metadata,
-                      num_scheduled, width)
+    tree = step_trees(drafted, index, spec_decode_metadata, num_scheduled, width)
 
     # Siblings share a position: node i of a request sits at start + depth_i
     # (its KV slot stays start + i, from vLLM's slot mapping).
