@@ -99,6 +99,15 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
         seconds = time.perf_counter() - start
     after = step_bench.read_counters(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    # Without any profiler: the step's own wall time, and then the Python functions
+    # with the most host time under cProfile (what the torch profiler counts as a
+    # range's self time: interpreter work that launches no operator).
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    plain_seconds = time.perf_counter() - start
+    python_top = python_profile(lambda: llm.generate(prompts, params, use_tqdm=False),
+                                args.top)
     # Decode steps per request (+1: the prefill step, which this call also runs).
     steps = (after["drafts"] - before["drafts"]) / batch if run.speculative else tokens / batch
     steps = max(1.0, steps)
@@ -115,12 +124,28 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
     return {
         "method": method, "budget": budget, "batch": batch, "steps": steps,
         "wall_ms_per_step": 1e3 * seconds / steps,
+        "unprofiled_ms_per_step": 1e3 * plain_seconds / steps,
+        "python_top": python_top,
         "kernel_ms_per_step": kernel_us / 1e3 / steps,
         "gpu_busy_share": kernel_us / 1e6 / seconds,
         "phases": phases,
         "top_host": sorted(rows, key=lambda r: -r["self_host_ms"])[:top],
         "top_kernel": sorted(rows, key=lambda r: -r["self_kernel_ms"])[:top],
     }
+
+
+def python_profile(work, top: int) -> list[dict]:
+    """The functions with the most own (tottime) host time while ``work`` runs."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(work)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    rows = [{"function": f"{Path(file).name}:{line}:{name}", "calls": nc,
+             "own_ms": 1e3 * tt, "total_ms": 1e3 * ct}
+            for (file, line, name), (_, nc, tt, ct, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["own_ms"])[:top]
 
 
 def run_isolated(config: tuple[str, int | None, int], args: argparse.Namespace) -> dict:
@@ -148,6 +173,8 @@ def report(result: dict) -> str:
     lines = [(f"== {name}: {result['wall_ms_per_step']:.2f} ms/step wall, "
              f"{result['kernel_ms_per_step']:.2f} ms kernels "
              f"(GPU busy {100 * result['gpu_busy_share']:.0f}%), {result['steps']:.0f} steps")]
+    if "unprofiled_ms_per_step" in result:
+        lines.append(f"   without profilers: {result['unprofiled_ms_per_step']:.2f} ms/step")
     for key, p in sorted(result["phases"].items()):
         lines.append(f"   {key:24s} host {p['host_ms']:7.3f} ms  kernels {p['kernel_ms']:7.3f} ms"
                      f"  calls/step {p['calls_per_step']:5.1f}")
@@ -156,6 +183,11 @@ def report(result: dict) -> str:
         lines.append(f"   top {title} time per step:")
         lines += [f"     {r[col]:7.3f} ms  x{r['calls_per_step']:6.1f}  {r['op'][:90]}"
                   for r in rows]
+    if result.get("python_top"):
+        steps = result["steps"]
+        lines.append("   top Python functions per step (cProfile, own time):")
+        lines += [f"     {r['own_ms'] / steps:7.3f} ms  x{r['calls'] / steps:6.1f}  "
+                  f"{r['function'][:90]}" for r in result["python_top"]]
     return "\n".join(lines)
 
 

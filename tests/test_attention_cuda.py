@@ -18,8 +18,17 @@ import torch
 
 from vllm_ddtree.attention import cpu, cuda, register_backends
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin
-from vllm_ddtree.attention.reference import tree_attention_reference, write_kv_to_cache
-from vllm_ddtree.attention.state import TreeAttentionInfo, publishing
+from vllm_ddtree.attention.reference import (
+    pack_tree_mask,
+    tree_attention_reference,
+    write_kv_to_cache,
+)
+from vllm_ddtree.attention.state import (
+    TreeAttentionInfo,
+    causal_attention_info,
+    mask_buffer,
+    publishing,
+)
 from vllm_ddtree.compaction import block_slot_moves, move_slots
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 4, 2, 16, 4
@@ -283,8 +292,81 @@ def test_builder_attaches_only_a_published_tree():
     assert isinstance(metadata, TreeMetadata) and metadata.tree is info
     assert torch.equal(metadata.query_start_loc, qsl)
     assert info.packed_mask is not None and info.packed_mask.dtype == torch.int32
-    assert cuda.DDTreeTritonAttentionMetadataBuilder._cudagraph_support.name == "NEVER"
-    assert cuda.DDTreeFlashAttentionMetadataBuilder._cudagraph_support.name == "NEVER"
+    # Full graphs for uniform verify batches only; never on the CPU.
+    assert cuda.DDTreeTritonAttentionMetadataBuilder._cudagraph_support.name == "UNIFORM_BATCH"
+    assert cuda.DDTreeFlashAttentionMetadataBuilder._cudagraph_support.name == "UNIFORM_BATCH"
+    assert cuda.DDTreeFlashAttentionMetadataBuilder.get_cudagraph_support(
+        None, None).name == "UNIFORM_BATCH"
+    assert cpu.DDTreeCPUAttentionMetadataBuilder._cudagraph_support.name == "NEVER"
+
+
+def causal_oracle(batch: Batch, r: int) -> torch.Tensor:
+    """Request r's rows under plain causal attention over prefix + its own rows."""
+    start, n = int(batch.metadata.query_start_loc[r]), batch.query_lens[r]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+    key_cache, value_cache = cuda.split_kv_cache(batch.kv_cache)
+    return tree_attention_reference(
+        batch.query[start : start + n], key_cache, value_cache,
+        batch.metadata.block_table[r : r + 1], batch.metadata.seq_lens[r : r + 1],
+        torch.tensor([0, n], dtype=torch.int32), causal, StandInParent.scale,
+    )
+
+
+def test_masks_are_packed_into_the_persistent_buffer():
+    """A captured kernel reads the step's masks from one buffer: prepare_for writes
+    them there (narrower steps into its corner), and leaves other rows alone."""
+    batch = make_batch([5, 1, 3], [7, 0, 12], seed=12)
+    info = tree_info(batch, [5, 1, 3], seed=13)
+    buffer = mask_buffer(4, 9, torch.device("cpu"))
+    buffer.fill_(-7)  # stale contents of an earlier step
+    info.mask_buffer = buffer
+    info.prepare_for(torch.device("cpu"))
+    assert info.packed_mask.data_ptr() == buffer.data_ptr()
+    assert torch.equal(info.packed_mask, pack_tree_mask(info.tree_mask))
+    assert torch.equal(buffer[:3, :5, :1], pack_tree_mask(info.tree_mask))
+    assert bool((buffer[3] == -7).all()) and bool((buffer[:, 5:] == -7).all())
+    output, _ = run_impl(batch, info)
+    for r in range(3):
+        start = int(batch.metadata.query_start_loc[r])
+        torch.testing.assert_close(output[start : start + batch.query_lens[r]],
+                                   one_request_oracle(batch, info, r))
+
+
+def test_requests_without_a_tree_get_the_causal_mask():
+    """In a uniform batch that mixes a prefill chunk with trees, a full graph runs
+    the tree kernel over every request: the one without a tree must see a causal
+    mask, not the step tree's padding."""
+    batch = make_batch([4, 4, 4], [3, 6, 0], seed=14)
+    info = tree_info(batch, [4, 0, 4], seed=15)  # request 1 prefills 4 tokens
+    info.prepare_for(torch.device("cpu"))
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert torch.equal(info.packed_mask[1], pack_tree_mask(causal[None])[0])
+    for r in (0, 2):
+        assert torch.equal(info.packed_mask[r], pack_tree_mask(info.tree_mask[r : r + 1])[0])
+    # The full-graph path (one tree call over the batch) then equals causal
+    # attention for the prefill request and the tree for the others.
+    info.all_rows_are_tree_rows = True
+    output, impl = run_impl(batch, info)
+    assert impl.calls == 0
+    torch.testing.assert_close(output[4:8], causal_oracle(batch, 1))
+    torch.testing.assert_close(output[:4], one_request_oracle(batch, info, 0))
+
+
+def test_causal_info_is_causal_attention():
+    """The tree published for tree-less uniform batches (graph capture, a prefill
+    chunk of budget + 1 tokens) makes the tree path compute causal attention."""
+    batch = make_batch([4, 4, 2], [5, 0, 9], seed=16)
+    info = causal_attention_info(batch.metadata.query_start_loc, 4)
+    assert info.all_rows_are_tree_rows and info.tree_reqs == [0, 1, 2]
+    assert info.num_rows.tolist() == [4, 4, 2]
+    output, impl = run_impl(batch, info)
+    assert impl.calls == 0
+    for r in range(3):
+        start = int(batch.metadata.query_start_loc[r])
+        torch.testing.assert_close(output[start : start + batch.query_lens[r]],
+                                   causal_oracle(batch, r))
+    with pytest.raises(ValueError, match="at most 3 rows"):
+        causal_attention_info(batch.metadata.query_start_loc, 3)
 
 
 @pytest.mark.parametrize("builder", [

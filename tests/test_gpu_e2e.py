@@ -17,6 +17,9 @@ walk, compaction) raises and fails the test.
   float32 rounding differs in the last bits; a sequence may therefore leave
   the oracle only where the oracle's two best tokens are tied to 1e-3, and at
   most two of sixteen may;
+  With graphs, uniform verify batches replay full CUDA graphs that hold the
+  tree kernel; a prompt of exactly budget + 1 tokens checks that its prefill,
+  which has the same shape, still gets causal attention there;
 - mixed steps (chunked prefill next to tree verification), same rule;
 - bfloat16 (FLASH_ATTN): the share of identical tokens, and every divergence
   starts where the reference's two best tokens are nearly tied;
@@ -177,7 +180,13 @@ def test_greedy_identical_float32(
     expected = hf_float32(ids)
     print(f"vLLM non-speculative vs transformers ({'graphs' if graphs else 'eager'}):")
     assert_identical_or_near_tie([o[0] for o in vllm_outputs], expected, float("inf"))
-    scripted_drafter.install(monkeypatch, tmp_path, references)
+    # A prompt of exactly budget + 1 tokens (sharing no cached prefix): its prefill
+    # has the verify steps' uniform shape, so with graphs it replays the full graph
+    # captured with the tree kernel, which must then compute causal attention.
+    width_ids = tuple([t for i in ids for t in reversed(i)][: budget + 1])
+    assert len(width_ids) == budget + 1
+    (width_expected,) = hf_float32([width_ids])
+    scripted_drafter.install(monkeypatch, tmp_path, {**references, width_ids: width_expected[0]})
     drafter = make_drafter(gpu_qwen3, BLOCK)
     config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
               "ddtree_topk_cap": 4 if budget % 2 else None}
@@ -185,12 +194,14 @@ def test_greedy_identical_float32(
     try:
         batch16 = greedy(llm, PROMPTS16, MAX_TOKENS)
         batch1 = greedy(llm, PROMPTS16[3:4], MAX_TOKENS)
+        width_prefill = greedy(llm, [{"prompt_token_ids": list(width_ids)}], MAX_TOKENS)
         metrics = spec_metrics(llm)
     finally:
         shutdown(llm)
     identical = assert_identical_or_near_tie(batch16, expected, FLOAT32_NEAR_TIE)
     assert identical >= len(PROMPTS16) - 2
     assert_identical_or_near_tie(batch1, expected[3:4], FLOAT32_NEAR_TIE)
+    assert_identical_or_near_tie(width_prefill, [width_expected], FLOAT32_NEAR_TIE)
     # Trees were verified and accepted beyond depth 1 (the script accepts most drafts).
     assert metrics["num_drafts"] > 0
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"] * min(budget, 2) / 2

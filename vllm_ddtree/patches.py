@@ -7,6 +7,7 @@ plugin is loaded by every vLLM process, DDTree or not).
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -180,9 +181,22 @@ def _patch_model_runner() -> None:
                 ddtree_runner.begin_verify_step(self, result[1])
         return result
 
+    build_signature = inspect.signature(orig_build)
+
     def _build_attention_metadata(self, *args, **kwargs):
         state = getattr(self, "ddtree_state", None)
-        with publishing(state.attn_info if state is not None else None):
+        info = None
+        if state is not None:
+            info = state.attn_info
+            if info is None:  # a step without trees, or a graph capture
+                call = build_signature.bind(self, *args, **kwargs)
+                call.apply_defaults()
+                batch = call.arguments
+                info = ddtree_runner.attention_info(
+                    self, batch["num_tokens"], batch["num_reqs"], batch["max_query_len"],
+                    bool(batch.get("for_cudagraph_capture")),
+                )
+        with publishing(info):
             return orig_build(self, *args, **kwargs)
 
     def sample_tokens(self, *args, **kwargs):

@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
-from vllm_ddtree.attention.state import TreeAttentionInfo
+from vllm_ddtree.attention.state import (
+    TreeAttentionInfo,
+    causal_attention_info,
+    mask_buffer,
+)
 from vllm_ddtree.compaction import plan_compaction, plan_slots
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, step_trees
@@ -45,6 +49,9 @@ class DDTreeRunnerState:
     tree_rows: dict[str, int] = field(default_factory=dict)
     # Tensors of the step being sampled (hidden states, aux states, slots).
     model_state: Any = None
+    # Persistent packed ancestor masks, [max_num_reqs, budget + 1, words] int32:
+    # full CUDA graphs of verify steps read each step's masks from here.
+    mask_buffer: torch.Tensor | None = None
 
 
 def install(runner: GPUModelRunner) -> None:
@@ -58,7 +65,10 @@ def install(runner: GPUModelRunner) -> None:
     from vllm_ddtree.proposer import DDTreeProposer
 
     register_backends(runner.device)
-    state = DDTreeRunnerState(ddtree=ddtree)
+    state = DDTreeRunnerState(
+        ddtree=ddtree,
+        mask_buffer=mask_buffer(runner.max_num_reqs, ddtree.verify_width, runner.device),
+    )
     runner.ddtree_state = state
     runner.drafter = DDTreeProposer(runner.vllm_config, runner.device, runner)
     runner.rejection_sampler = DDTreeSampler(runner.sampler, lambda: state.step)
@@ -121,7 +131,32 @@ def begin_verify_step(
         num_rows=torch.where(has_tree, num_draft + 1, 0),
         tree_reqs=torch.nonzero(has_tree).flatten().tolist(),
         all_rows_are_tree_rows=bool((query_lens == num_draft + 1).all()),
+        mask_buffer=state.mask_buffer,
     )
+
+
+def attention_info(
+    runner: GPUModelRunner,
+    num_tokens: int,
+    num_reqs: int,
+    max_query_len: int,
+    for_capture: bool,
+) -> TreeAttentionInfo | None:
+    """The tree to publish to the target's attention metadata builders: this step's
+    trees, or, on CUDA, a causal tree for a batch that has vLLM's uniform verify
+    shape (``budget + 1`` rows per request) but no trees. vLLM runs such a batch
+    in the full CUDA graph it captured with the tree kernel, whatever the batch
+    is (a prefill chunk that long, or the capture's dummy batch itself)."""
+    state: DDTreeRunnerState = runner.ddtree_state
+    if state.attn_info is not None:
+        return state.attn_info
+    width = state.ddtree.verify_width
+    if runner.device.type != "cuda" or max_query_len != width:
+        return None
+    if not for_capture and num_tokens != num_reqs * width:
+        return None  # not uniform: no full graph, the parent's kernel alone is right
+    query_start_loc = runner.query_start_loc.cpu[: num_reqs + 1]
+    return causal_attention_info(query_start_loc, width, state.mask_buffer)
 
 
 def compact_after_walk(runner: GPUModelRunner) -> None:

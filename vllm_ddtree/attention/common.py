@@ -17,7 +17,7 @@ class TreeMetadataBuilderMixin:
     Builds outside the target's metadata step (the drafter's) see no tree.
     """
 
-    # The tree changes every step and tree rows run outside vLLM's graphs.
+    # CPU: no graphs. CUDA builders declare UNIFORM_BATCH (attention/cuda.py).
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     metadata_cls: ClassVar[type]
 

@@ -11,9 +11,16 @@ parent's:
 - a mixed step (some requests prefilling) runs the parent over every row,
   then recomputes the tree requests' rows with the tree kernel.
 
-The builders declare no CUDA-graph support for attention, so vLLM keeps
-attention outside its graphs (torch.compile + piecewise graphs): the verify
-rows' masks change every step and are read from the step's metadata.
+CUDA graphs: the builders declare ``UNIFORM_BATCH`` support, so vLLM captures
+full graphs for uniform batches of ``budget + 1`` query rows per request (the
+steady state of tree decoding) and piecewise graphs, with attention run
+eagerly between them, for every other batch. A full graph holds the tree
+kernel with its launch plan; each step's masks reach it through the runner's
+persistent mask buffer (attention/state.py), and block tables, sequence
+lengths and query offsets through vLLM's own persistent buffers. The runner
+publishes a causal tree for uniform batches that carry no tree (capture, and
+a prefill chunk of exactly ``budget + 1`` tokens), so the captured kernel is
+right for them too.
 
 Both parents keep each layer's cache as ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]`` in logical order, K in the first half of the last
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -195,6 +203,9 @@ class DDTreeFlashAttentionMetadataBuilder(
     TreeMetadataBuilderMixin, FlashAttentionMetadataBuilder
 ):
     metadata_cls = DDTreeFlashAttentionMetadata
+    # Full graphs for uniform verify batches only: a mixed batch's tree rows take
+    # the eager path (the parent's kernel, then the tree kernel over its rows).
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
 
 class DDTreeFlashAttentionImpl(TreeRowsImplMixin, FlashAttentionImpl):
@@ -227,6 +238,7 @@ class DDTreeTritonAttentionMetadataBuilder(
     TreeMetadataBuilderMixin, TritonAttentionMetadataBuilder
 ):
     metadata_cls = DDTreeTritonAttentionMetadata
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH  # as FLASH_ATTN's above
 
 
 class DDTreeTritonAttentionImpl(TreeRowsImplMixin, TritonAttentionImpl):

@@ -5,6 +5,14 @@ nothing of trees. The model runner publishes the step's tree here for exactly
 the duration of the target's metadata build (:func:`publishing`); builders of
 the DDTree backends attach it to their metadata. The drafter builds its own
 metadata later, when nothing is published, so it never sees a tree.
+
+Under full CUDA graphs (a uniform batch of ``budget + 1`` query rows per
+request, vLLM's "uniform decode") the tree kernel is captured once and
+replayed every step, reading the ancestor masks from one persistent buffer
+(:func:`mask_buffer`). So each step's masks are written into that buffer,
+and every request of such a batch must have a mask there: a request without
+a tree (a prefill chunk that happens to be ``budget + 1`` tokens long) gets
+the causal mask, which makes tree attention plain causal attention.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_ddtree.attention.reference import pack_tree_mask
+from vllm_ddtree.attention.reference import BITS_PER_WORD, pack_tree_mask
 from vllm_ddtree.sync import to_device
 
 
@@ -38,6 +46,9 @@ class TreeAttentionInfo:
     # Tree-attention launch plans of this step by tensor signature and metadata
     # (attention/cuda.py): made by a group's first layer, reused by the others.
     attention_plans: dict = field(default_factory=dict)
+    # Persistent [max_num_reqs, budget + 1, words] int32 (mask_buffer) that prepare_for
+    # packs into, so a tree kernel captured in a CUDA graph reads this step's masks.
+    mask_buffer: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -49,10 +60,28 @@ class TreeAttentionInfo:
         return self.tree_mask.shape[1]
 
     def prepare_for(self, device: torch.device) -> None:
-        """Pack the masks and index the tree rows on ``device``, once per step."""
+        """Pack the masks (into ``mask_buffer`` when given) and, for steps in which
+        some rows are not tree rows (or on the CPU, whose backend always takes
+        that path), index the tree rows on ``device``; once per step."""
         if self.packed_mask is not None:
             return
-        self.packed_mask = pack_tree_mask(self.tree_mask.to(device))
+        mask = self.tree_mask
+        if mask.device.type != device.type:
+            mask = to_device(mask, device)
+        if len(self.tree_reqs) < self.num_reqs:  # requests without a tree: causal
+            has_tree = to_device(self.num_rows > 0, device)
+            causal = torch.ones(self.width, self.width, dtype=torch.bool, device=device).tril()
+            mask = torch.where(has_tree[:, None, None], mask, causal)
+        packed = pack_tree_mask(mask)
+        if self.mask_buffer is not None:
+            view = self.mask_buffer[: packed.shape[0], : packed.shape[1], : packed.shape[2]]
+            view.copy_(packed)
+            packed = view
+        self.packed_mask = packed
+        if not self.all_rows_are_tree_rows or device.type != "cuda":
+            self._index_tree_rows(device)
+
+    def _index_tree_rows(self, device: torch.device) -> None:
         reqs = torch.tensor(self.tree_reqs, dtype=torch.int64)
         counts = self.num_rows[reqs]
         offsets = torch.arange(int(counts.max()))
@@ -63,6 +92,41 @@ class TreeAttentionInfo:
         self.rows = to_device(rows, device)
         self.req_index = to_device(reqs, device)
         self.rows_query_start_loc = to_device(query_start_loc, device)
+
+
+def mask_buffer(max_num_reqs: int, width: int, device: torch.device) -> torch.Tensor:
+    """The persistent ``[max_num_reqs, width, ceil(width / 32)]`` int32 buffer that
+    packed masks are written into: a captured tree kernel reads its masks from here."""
+    words = -(-width // BITS_PER_WORD)
+    return torch.zeros(max_num_reqs, width, words, dtype=torch.int32, device=device)
+
+
+def causal_attention_info(
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32 on the host
+    width: int,  # verify width, budget + 1
+    buffer: torch.Tensor | None = None,
+) -> TreeAttentionInfo:
+    """Every request's rows as a causal chain (a tree that is a path): tree attention
+    then equals causal attention. For batches that look like verify steps but carry
+    no tree (vLLM's graph capture, a prefill chunk of exactly ``width`` tokens), so a
+    full CUDA graph captured with the tree kernel stays right for them."""
+    starts = query_start_loc.to(torch.int64)
+    query_lens = starts.diff()
+    num_reqs = query_lens.shape[0]
+    if num_reqs and int(query_lens.max()) > width:
+        raise ValueError(
+            f"a causal tree covers at most {width} rows per request, got "
+            f"{int(query_lens.max())}"
+        )
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    return TreeAttentionInfo(
+        tree_mask=causal.expand(num_reqs, width, width).contiguous(),
+        row_start=starts[:-1],
+        num_rows=query_lens,
+        tree_reqs=torch.nonzero(query_lens > 0).flatten().tolist(),
+        all_rows_are_tree_rows=True,
+        mask_buffer=buffer,
+    )
 
 
 _current: TreeAttentionInfo | None = None
