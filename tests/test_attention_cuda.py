@@ -332,29 +332,9 @@ def test_masks_are_packed_into_the_persistent_buffer():
                                    one_request_oracle(batch, info, r))
 
 
-def test_requests_without_a_tree_get_the_causal_mask():
-    """In a uniform batch that mixes a prefill chunk with trees, a full graph runs
-    the tree kernel over every request: the one without a tree must see a causal
-    mask, not the step tree's padding."""
-    batch = make_batch([4, 4, 4], [3, 6, 0], seed=14)
-    info = tree_info(batch, [4, 0, 4], seed=15)  # request 1 prefills 4 tokens
-    info.prepare_for(torch.device("cpu"))
-    causal = torch.ones(4, 4, dtype=torch.bool).tril()
-    assert torch.equal(info.packed_mask[1], pack_tree_mask(causal[None])[0])
-    for r in (0, 2):
-        assert torch.equal(info.packed_mask[r], pack_tree_mask(info.tree_mask[r : r + 1])[0])
-    # The full-graph path (one tree call over the batch) then equals causal
-    # attention for the prefill request and the tree for the others.
-    info.all_rows_are_tree_rows = True
-    output, impl = run_impl(batch, info)
-    assert impl.calls == 0
-    torch.testing.assert_close(output[4:8], causal_oracle(batch, 1))
-    torch.testing.assert_close(output[:4], one_request_oracle(batch, info, 0))
-
-
 def test_causal_info_is_causal_attention():
-    """The tree published for tree-less uniform batches (graph capture, a prefill
-    chunk of budget + 1 tokens) makes the tree path compute causal attention."""
+    """The tree published for the capture of a full graph of verify shape (whose
+    dummy batch has no tree) makes the tree path compute causal attention."""
     batch = make_batch([4, 4, 2], [5, 0, 9], seed=16)
     info = causal_attention_info(batch.metadata.query_start_loc, 4)
     assert info.all_rows_are_tree_rows and info.tree_reqs == [0, 1, 2]

@@ -19,7 +19,7 @@ walk, compaction) raises and fails the test.
   most two of sixteen may;
   With graphs, uniform verify batches replay full CUDA graphs that hold the
   tree kernel; a prompt of exactly budget + 1 tokens checks that its prefill,
-  which has the same shape, still gets causal attention there;
+  which has the same shape, gets causal attention all the same;
 - mixed steps (chunked prefill next to tree verification), same rule;
 - bfloat16 (FLASH_ATTN): the share of identical tokens, and every divergence
   starts where the reference's two best tokens are nearly tied;
@@ -181,8 +181,8 @@ def test_greedy_identical_float32(
     print(f"vLLM non-speculative vs transformers ({'graphs' if graphs else 'eager'}):")
     assert_identical_or_near_tie([o[0] for o in vllm_outputs], expected, float("inf"))
     # A prompt of exactly budget + 1 tokens (sharing no cached prefix): its prefill
-    # has the verify steps' uniform shape, so with graphs it replays the full graph
-    # captured with the tree kernel, which must then compute causal attention.
+    # has the verify steps' uniform shape, but must not replay their full graph,
+    # which holds the tree kernel and reads that step's tree masks.
     width_ids = tuple([t for i in ids for t in reversed(i)][: budget + 1])
     assert len(width_ids) == budget + 1
     (width_expected,) = hf_float32([width_ids])

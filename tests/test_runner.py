@@ -1,5 +1,5 @@
 """vllm_ddtree/runner.py pieces that need no engine: the start-up backend check and
-the tree published for tree-less batches."""
+the full-graph rules."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from vllm_ddtree.attention import cuda
-from vllm_ddtree.runner import attention_info, check_tree_backends
+from vllm_ddtree.runner import (
+    capture_attention_info,
+    check_tree_backends,
+    may_replay_full_graph,
+)
 
 
 class PlatformBackend:
@@ -55,7 +59,7 @@ def test_drafter_layers_and_non_ddtree_runners_are_not_checked():
 
 
 def verify_runner(device: str, query_lens: list[int], budget: int = 3) -> SimpleNamespace:
-    """A runner whose step carries no tree, with vLLM's host query offsets."""
+    """A runner in a step without trees, with vLLM's host query offsets."""
     from vllm_ddtree.attention.state import mask_buffer
     from vllm_ddtree.config import DDTreeConfig
 
@@ -68,27 +72,31 @@ def verify_runner(device: str, query_lens: list[int], budget: int = 3) -> Simple
                            query_start_loc=SimpleNamespace(cpu=starts))
 
 
-def test_uniform_batches_without_trees_get_a_causal_tree_on_cuda():
-    """vLLM runs every batch of budget + 1 rows per request in the full CUDA graph it
-    captured with the tree kernel, so such a batch needs a (causal) tree even when it
-    is a prefill; other batches, and the CPU (no graphs), keep the parent's kernel."""
+def test_full_graph_capture_of_verify_shape_gets_a_causal_tree():
+    """vLLM captures the full graph of a uniform verify batch from a dummy batch
+    without trees; a causal tree makes the graph hold the tree kernel. Other
+    captures, real steps and the CPU (no graphs) get none."""
     runner = verify_runner("cuda", [4, 4])
-    info = attention_info(runner, num_tokens=8, num_reqs=2, max_query_len=4, for_capture=False)
+    info = capture_attention_info(runner, num_reqs=2, max_query_len=4, for_capture=True)
     assert info is not None and info.all_rows_are_tree_rows
     assert info.num_rows.tolist() == [4, 4] and info.row_start.tolist() == [0, 4]
     assert torch.equal(info.tree_mask[1], torch.ones(4, 4, dtype=torch.bool).tril())
     assert info.mask_buffer is runner.ddtree_state.mask_buffer
-    # Not uniform: a full graph never runs it.
-    ragged = verify_runner("cuda", [4, 2])
-    assert attention_info(ragged, 6, 2, 4, for_capture=False) is None
-    # ... except at capture, whose dummy batch may end in a shorter request.
-    captured = attention_info(ragged, 6, 2, 4, for_capture=True)
-    assert captured is not None and captured.num_rows.tolist() == [4, 2]
-    assert attention_info(verify_runner("cuda", [1, 1]), 2, 2, 1, for_capture=True) is None
-    assert attention_info(verify_runner("cpu", [4, 4]), 8, 2, 4, for_capture=False) is None
+    # The capture's dummy batch may end in a shorter request.
+    ragged = capture_attention_info(verify_runner("cuda", [4, 2]), 2, 4, for_capture=True)
+    assert ragged is not None and ragged.num_rows.tolist() == [4, 2]
+    assert capture_attention_info(runner, 2, 4, for_capture=False) is None
+    assert capture_attention_info(verify_runner("cuda", [1, 1]), 2, 1, for_capture=True) is None
+    assert capture_attention_info(verify_runner("cpu", [4, 4]), 2, 4, for_capture=True) is None
 
 
-def test_a_step_with_trees_publishes_its_own():
-    runner = verify_runner("cuda", [4, 4])
-    runner.ddtree_state.attn_info = step_info = object()
-    assert attention_info(runner, 8, 2, 4, for_capture=True) is step_info
+def test_only_steps_of_tree_rows_alone_replay_full_graphs():
+    """A full graph runs the tree kernel over every row: a step with no trees (a
+    prefill of exactly budget + 1 tokens has the uniform shape) or with rows
+    outside any tree runs piecewise."""
+    state = verify_runner("cuda", [4, 4]).ddtree_state
+    assert not may_replay_full_graph(state)
+    state.attn_info = SimpleNamespace(all_rows_are_tree_rows=False)
+    assert not may_replay_full_graph(state)
+    state.attn_info = SimpleNamespace(all_rows_are_tree_rows=True)
+    assert may_replay_full_graph(state)

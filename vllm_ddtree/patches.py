@@ -165,6 +165,9 @@ def _patch_model_runner() -> None:
     orig_sample_tokens = _orig["runner.sample_tokens"] = cls.sample_tokens
     orig_sample = _orig["runner._sample"] = cls._sample
     orig_propose = _orig["runner.propose_draft_token_ids"] = cls.propose_draft_token_ids
+    orig_dispatch = _orig["runner._determine_batch_execution_and_padding"] = (
+        cls._determine_batch_execution_and_padding
+    )
 
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
@@ -181,6 +184,16 @@ def _patch_model_runner() -> None:
                 ddtree_runner.begin_verify_step(self, result[1])
         return result
 
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        state = getattr(self, "ddtree_state", None)
+        if (
+            state is not None
+            and kwargs.get("force_uniform_decode") is None  # a real step, not a capture
+            and not ddtree_runner.may_replay_full_graph(state)
+        ):
+            kwargs["force_uniform_decode"] = False
+        return orig_dispatch(self, *args, **kwargs)
+
     build_signature = inspect.signature(orig_build)
 
     def _build_attention_metadata(self, *args, **kwargs):
@@ -192,8 +205,8 @@ def _patch_model_runner() -> None:
                 call = build_signature.bind(self, *args, **kwargs)
                 call.apply_defaults()
                 batch = call.arguments
-                info = ddtree_runner.attention_info(
-                    self, batch["num_tokens"], batch["num_reqs"], batch["max_query_len"],
+                info = ddtree_runner.capture_attention_info(
+                    self, batch["num_reqs"], batch["max_query_len"],
                     bool(batch.get("for_cudagraph_capture")),
                 )
         with publishing(info):
@@ -230,3 +243,4 @@ def _patch_model_runner() -> None:
     cls.sample_tokens = sample_tokens
     cls._sample = _sample
     cls.propose_draft_token_ids = propose_draft_token_ids
+    cls._determine_batch_execution_and_padding = _determine_batch_execution_and_padding

@@ -135,28 +135,27 @@ def begin_verify_step(
     )
 
 
-def attention_info(
-    runner: GPUModelRunner,
-    num_tokens: int,
-    num_reqs: int,
-    max_query_len: int,
-    for_capture: bool,
+def capture_attention_info(
+    runner: GPUModelRunner, num_reqs: int, max_query_len: int, for_capture: bool
 ) -> TreeAttentionInfo | None:
-    """The tree to publish to the target's attention metadata builders: this step's
-    trees, or, on CUDA, a causal tree for a batch that has vLLM's uniform verify
-    shape (``budget + 1`` rows per request) but no trees. vLLM runs such a batch
-    in the full CUDA graph it captured with the tree kernel, whatever the batch
-    is (a prefill chunk that long, or the capture's dummy batch itself)."""
+    """A causal tree for vLLM's capture of a full CUDA graph of uniform verify shape
+    (``budget + 1`` rows per request), so the graph holds the tree kernel and its
+    launch plan; each replay then reads that step's masks from the runner's mask
+    buffer. Causal, because the capture's dummy batch carries no tree."""
     state: DDTreeRunnerState = runner.ddtree_state
-    if state.attn_info is not None:
-        return state.attn_info
     width = state.ddtree.verify_width
-    if runner.device.type != "cuda" or max_query_len != width:
+    if not for_capture or runner.device.type != "cuda" or max_query_len != width:
         return None
-    if not for_capture and num_tokens != num_reqs * width:
-        return None  # not uniform: no full graph, the parent's kernel alone is right
     query_start_loc = runner.query_start_loc.cpu[: num_reqs + 1]
     return causal_attention_info(query_start_loc, width, state.mask_buffer)
+
+
+def may_replay_full_graph(state: DDTreeRunnerState) -> bool:
+    """Whether this step may run in a full CUDA graph (one holds the tree kernel over
+    every row): only when every query row belongs to a tree. A uniform batch
+    without trees (a prefill chunk of exactly ``budget + 1`` tokens, alone or next
+    to trees) runs piecewise instead, with attention outside the graph."""
+    return state.attn_info is not None and state.attn_info.all_rows_are_tree_rows
 
 
 def compact_after_walk(runner: GPUModelRunner) -> None:

@@ -17,10 +17,11 @@ steady state of tree decoding) and piecewise graphs, with attention run
 eagerly between them, for every other batch. A full graph holds the tree
 kernel with its launch plan; each step's masks reach it through the runner's
 persistent mask buffer (attention/state.py), and block tables, sequence
-lengths and query offsets through vLLM's own persistent buffers. The runner
-publishes a causal tree for uniform batches that carry no tree (capture, and
-a prefill chunk of exactly ``budget + 1`` tokens), so the captured kernel is
-right for them too.
+lengths and query offsets through vLLM's own persistent buffers. The graph is
+captured with a causal tree (the capture's batch has none), and the runner
+lets only steps whose every row is a tree row replay it; a uniform batch
+without trees (a prefill chunk of exactly ``budget + 1`` tokens) runs
+piecewise, with the parent's kernel.
 
 Both parents keep each layer's cache as ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]`` in logical order, K in the first half of the last

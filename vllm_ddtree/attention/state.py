@@ -9,10 +9,10 @@ metadata later, when nothing is published, so it never sees a tree.
 Under full CUDA graphs (a uniform batch of ``budget + 1`` query rows per
 request, vLLM's "uniform decode") the tree kernel is captured once and
 replayed every step, reading the ancestor masks from one persistent buffer
-(:func:`mask_buffer`). So each step's masks are written into that buffer,
-and every request of such a batch must have a mask there: a request without
-a tree (a prefill chunk that happens to be ``budget + 1`` tokens long) gets
-the causal mask, which makes tree attention plain causal attention.
+(:func:`mask_buffer`), so each step's masks are written into that buffer.
+The graph is captured with a causal tree (:func:`causal_attention_info`: the
+capture's dummy batch has none), and only steps whose every row is a tree
+row replay it (runner.may_replay_full_graph).
 """
 
 from __future__ import annotations
@@ -68,10 +68,6 @@ class TreeAttentionInfo:
         mask = self.tree_mask
         if mask.device.type != device.type:
             mask = to_device(mask, device)
-        if len(self.tree_reqs) < self.num_reqs:  # requests without a tree: causal
-            has_tree = to_device(self.num_rows > 0, device)
-            causal = torch.ones(self.width, self.width, dtype=torch.bool, device=device).tril()
-            mask = torch.where(has_tree[:, None, None], mask, causal)
         packed = pack_tree_mask(mask)
         if self.mask_buffer is not None:
             view = self.mask_buffer[: packed.shape[0], : packed.shape[1], : packed.shape[2]]
@@ -107,9 +103,9 @@ def causal_attention_info(
     buffer: torch.Tensor | None = None,
 ) -> TreeAttentionInfo:
     """Every request's rows as a causal chain (a tree that is a path): tree attention
-    then equals causal attention. For batches that look like verify steps but carry
-    no tree (vLLM's graph capture, a prefill chunk of exactly ``width`` tokens), so a
-    full CUDA graph captured with the tree kernel stays right for them."""
+    then equals causal attention. Published for vLLM's capture of a full CUDA graph
+    of verify shape, whose dummy batch carries no tree, so that the graph holds the
+    tree kernel."""
     starts = query_start_loc.to(torch.int64)
     query_lens = starts.diff()
     num_reqs = query_lens.shape[0]
