@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from vllm_ddtree.sampler import (
     select_trees,
     step_rows,
 )
+from vllm_ddtree import sampler
 from vllm_ddtree.tree import build_ddtree
 from vllm_ddtree.verify import walk_tree
 
@@ -182,3 +184,49 @@ def test_walk_on_selected_tree_matches_python_walk(budget):
                 break
             node, depth = kids[0], depth + 1
         assert walk.num_accepted[r] == depth
+
+
+class RecordingProcessor:
+    """A custom logits processor: adds 1 to every logit and counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return logits + 1
+
+
+def _builtin(cls, state_name: str, state) -> object:
+    proc = object.__new__(cls)  # no engine config needed for the idle check
+    setattr(proc, state_name, state)
+    proc.apply = lambda logits: logits - 100  # would show if an idle one ran
+    return proc
+
+
+def test_idle_builtin_processors_are_skipped_and_others_run():
+    """Built-ins no request uses are skipped (a greedy batch then pays no per-column
+    loop); a used built-in and every custom processor run once per tree column."""
+    from vllm.v1.sample.logits_processor import builtin
+
+    idle = [_builtin(builtin.MinPLogitsProcessor, "min_p_count", 0),
+            _builtin(builtin.LogitBiasLogitsProcessor, "biases", {}),
+            _builtin(builtin.MinTokensLogitsProcessor, "min_toks", {})]
+    used = _builtin(builtin.LogitBiasLogitsProcessor, "biases", {0: {3: 2.0}})
+    custom = RecordingProcessor()
+    assert all(sampler._idle(p) for p in idle)
+    assert not sampler._idle(used) and not sampler._idle(custom)
+
+    rows = torch.tensor([[0, 1, 2], [3, 4, 4]])  # request 1 sent one draft
+    step = SimpleNamespace(num_scheduled=torch.tensor([2, 1]))
+    logits = torch.zeros(5, 7)
+    metadata = SimpleNamespace(
+        allowed_token_ids_mask=None, no_penalties=True, all_greedy=True,
+        logitsprocs=SimpleNamespace(non_argmax_invariant=[*idle, custom], argmax_invariant=[]))
+    out = sampler.process_logits(logits, rows, step, metadata)
+    assert custom.calls == 3  # one [num_reqs, vocab] block per column
+    assert torch.equal(out, torch.ones(5, 7))  # every row once; idle built-ins never ran
+    metadata.logitsprocs.non_argmax_invariant = idle
+    assert torch.equal(sampler.process_logits(logits, rows, step, metadata), logits)
+    metadata.logitsprocs.non_argmax_invariant = [used]
+    assert torch.equal(sampler.process_logits(logits, rows, step, metadata), logits - 100)
