@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_ddtree import sampler
 from vllm_ddtree.sampler import (
     TreeVerifyStep,
     chain_trees,
@@ -16,7 +17,6 @@ from vllm_ddtree.sampler import (
     select_trees,
     step_rows,
 )
-from vllm_ddtree import sampler
 from vllm_ddtree.tree import build_ddtree
 from vllm_ddtree.verify import walk_tree
 
