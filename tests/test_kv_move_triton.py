@@ -9,24 +9,19 @@ CPU through Triton's interpreter with ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 from tests.test_compaction import setup
+from tests.triton_utils import DEVICE, needs_cuda, needs_kernel
 from vllm_ddtree.attention import cuda
 from vllm_ddtree.attention.kv_move_triton import move_kv_slots_triton, triton_can_move
 from vllm_ddtree.compaction import block_slot_moves, plan_compaction, plan_slots
 from vllm_ddtree.verify import WalkResult
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() and not INTERPRET, reason="needs CUDA"),
-]
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [pytest.mark.gpu, needs_kernel]
 
 
 def depth_major_walk(num_reqs: int, budget: int, max_depth: int, rng: random.Random) -> WalkResult:
@@ -102,7 +97,7 @@ def test_dispatch_takes_the_kernel_for_alike_caches_only():
         move_kv_slots_triton(caches, src.flatten(), dst.flatten())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync checks, graphs)")
+@needs_cuda
 def test_no_host_sync_and_graph_replay():
     """One launch, no host sync, and a captured launch replays new moves correctly."""
     gen = torch.Generator().manual_seed(7)

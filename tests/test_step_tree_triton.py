@@ -9,24 +9,18 @@ torch.empty). Run on the CPU through Triton's interpreter with ``TRITON_INTERPRE
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 from tests.test_sampler import _metadata
-from tests.test_tree_triton import poisoned_empty
+from tests.triton_utils import DEVICE, needs_cuda, needs_kernel, poisoned_empty
 from vllm_ddtree.sampler import step_trees
 from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.tree import build_ddtree
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() and not INTERPRET, reason="needs CUDA"),
-]
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [pytest.mark.gpu, needs_kernel]
 FIELDS = ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes")
 
 
@@ -94,7 +88,7 @@ def test_checks():
                           meta.cu_num_draft_tokens, n, width=5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync checks, graphs)")
+@needs_cuda
 def test_cuda_default_is_kernel_without_host_sync_and_graph_safe():
     drafted, index, meta = make_step(4, 16, 7, 4, random.Random(3))
     n = torch.tensor(meta.num_draft_tokens)

@@ -9,22 +9,17 @@ written. Run on the CPU through Triton's interpreter with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import pytest
 import torch
 
 from tests.test_tree import KINDS, clamp_edge_logprobs, make_logprobs
+from tests.triton_utils import DEVICE, needs_kernel, poisoned_empty
 from vllm_ddtree.tree import build_ddtree, select_tree, topk_per_depth
 from vllm_ddtree.tree_triton import select_tree_triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() and not INTERPRET, reason="needs CUDA"),
-]
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [pytest.mark.gpu, needs_kernel]
 FIELDS = ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes")
 CASES = [  # (num_reqs, max_depth, vocab, budget, topk_cap)
     (1, 1, 5, 1, None),
@@ -45,18 +40,6 @@ def draft_logprobs(kind: str, num_reqs: int, depth: int, vocab: int, gen: torch.
     if kind == "clamp_edges":
         return clamp_edge_logprobs(num_reqs, depth, vocab, gen)
     return make_logprobs(kind, num_reqs, depth, vocab, gen)
-
-
-def poisoned_empty(orig):
-    """torch.empty / empty_like whose memory holds garbage: -7, True or NaN."""
-
-    def empty(*args, **kwargs):
-        out = orig(*args, **kwargs)
-        if out.dtype == torch.bool:
-            return out.fill_(True)
-        return out.fill_(float("nan") if out.is_floating_point() else -7)
-
-    return empty
 
 
 def assert_same_tree(got, want) -> None:

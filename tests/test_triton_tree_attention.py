@@ -11,7 +11,6 @@ through Triton's interpreter with ``TRITON_INTERPRET=1`` (slow: use ``-k``).
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from tests.test_attention_reference import (
     padded_tree_mask as reference_padded_tree_mask,
 )
 from tests.test_attention_reference import random_tree_parents, root_to_node
+from tests.triton_utils import DEVICE, INTERPRET, needs_kernel
 from vllm_ddtree.attention.reference import (
     pack_tree_mask,
     tree_attention_reference,
@@ -35,14 +35,7 @@ from vllm_ddtree.attention.triton_tree import (
     tree_attention_triton,
 )
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() and not INTERPRET, reason="needs CUDA"
-    ),
-]
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [pytest.mark.gpu, needs_kernel]
 # Triton's interpreter gets bf16 dots wrong (seen with Triton 3.9): fp16 stands in there.
 BF16 = torch.float16 if INTERPRET and DEVICE.type == "cpu" else torch.bfloat16
 

@@ -12,24 +12,18 @@ written. Run on the CPU through Triton's interpreter with ``TRITON_INTERPRET=1``
 from __future__ import annotations
 
 import itertools
-import os
 import zlib
 
 import pytest
 import torch
 
 from tests.test_tree import KINDS, make_logprobs
-from tests.test_tree_triton import poisoned_empty
+from tests.triton_utils import DEVICE, needs_cuda, needs_kernel, poisoned_empty
 from vllm_ddtree import verify_triton
 from vllm_ddtree.tree import DDTree, build_ddtree
 from vllm_ddtree.verify import WalkResult, walk_tree
 from vllm_ddtree.verify_triton import walk_tree_triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-needs_kernel = pytest.mark.skipif(
-    not torch.cuda.is_available() and not INTERPRET, reason="needs CUDA or TRITON_INTERPRET=1"
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FIELDS = ("accepted_nodes", "num_accepted", "bonus_tokens", "output_tokens")
 CASES = [  # (num_reqs, tree depth, walk max_depth, vocab, budget, topk_cap)
     (1, 1, 1, 5, 1, None),
@@ -191,7 +185,7 @@ def test_default_dispatch_on_cpu_is_torch(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync checks, graphs)")
+@needs_cuda
 @pytest.mark.parametrize("budget", [16, 64, 256])
 def test_cuda_default_is_kernel_without_host_sync_and_graph_safe(budget: int):
     gen = torch.Generator().manual_seed(budget)

@@ -17,13 +17,12 @@ Bool tensors travel as uint8.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from vllm_ddtree.tree import DDTree
+from vllm_ddtree.triton_device import require_triton_device
 
 __all__ = ["step_trees_triton"]
 
@@ -94,12 +93,7 @@ def _check_inputs(
             raise ValueError(
                 f"{width - 1} drafts were scheduled but trees have budget {budget1 - 1}."
             )
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if not num_scheduled.is_cuda and not interpret:
-        raise ValueError(
-            f"step_trees_triton needs CUDA tensors, got {num_scheduled.device}; use "
-            f"sampler.step_trees on the CPU"
-        )
+    require_triton_device(num_scheduled, "step_trees_triton", "sampler.step_trees")
 
 
 # ----------------------------------------------------------------------------------

@@ -20,13 +20,12 @@ per node slot; slot i holds the i-th best prefix, slot 0 the root):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from vllm_ddtree.tree import DDTree
+from vllm_ddtree.triton_device import require_triton_device
 
 __all__ = ["select_tree_triton", "triton_supports"]
 
@@ -109,11 +108,7 @@ def _check_inputs(
             f"budget={budget} with max_depth={max_depth} overflows the kernel's 31-bit tie key; "
             f"use tree.select_tree"
         )
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if top_vals.device.type != "cuda" and not interpret:
-        raise ValueError(
-            f"select_tree_triton needs CUDA tensors, got {top_vals.device}; use tree.select_tree"
-        )
+    require_triton_device(top_vals, "select_tree_triton", "tree.select_tree")
     return num_reqs, max_depth, k
 
 

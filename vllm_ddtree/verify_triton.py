@@ -19,13 +19,12 @@ only BLOCK and max_depth select a compiled variant.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from vllm_ddtree.tree import DDTree
+from vllm_ddtree.triton_device import require_triton_device
 from vllm_ddtree.verify import WalkResult, check_walk_args
 
 __all__ = ["walk_tree_triton"]
@@ -96,11 +95,7 @@ def _check_inputs(tree: DDTree, target_tokens: torch.Tensor, max_depth: int) -> 
             f"tree.valid must be bool {tuple(tree.tokens.shape)}, got "
             f"{tree.valid.dtype} {tuple(tree.valid.shape)}"
         )
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if tree.tokens.device.type != "cuda" and not interpret:
-        raise ValueError(
-            f"walk_tree_triton needs CUDA tensors, got {tree.tokens.device}; use verify.walk_tree"
-        )
+    require_triton_device(tree.tokens, "walk_tree_triton", "verify.walk_tree")
 
 
 # ----------------------------------------------------------------------------------

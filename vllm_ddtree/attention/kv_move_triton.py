@@ -22,7 +22,6 @@ Elements move as raw bits, so any 1-, 2- or 4-byte cache dtype (fp8 too) moves.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +29,7 @@ import triton
 import triton.language as tl
 
 from vllm_ddtree.sync import to_device
+from vllm_ddtree.triton_device import triton_can_run
 
 __all__ = ["move_kv_slots_triton", "triton_can_move"]
 
@@ -42,9 +42,8 @@ def triton_can_move(kv_caches: Sequence[torch.Tensor]) -> bool:
     an exact number of elements away from the first."""
     first = kv_caches[0]
     size = first.element_size()
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"  # tests, on the CPU
     return (
-        (first.is_cuda or interpret)
+        triton_can_run(first)
         and first.dim() == 4
         and first.stride(3) == 1
         and size in _RAW

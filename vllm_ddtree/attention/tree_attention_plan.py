@@ -10,13 +10,13 @@ calls ``triton_tree.launch_tree_attention`` with the plan.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from vllm_ddtree.attention.reference import BITS_PER_WORD, pack_tree_mask
+from vllm_ddtree.triton_device import require_triton_device
 
 __all__ = [
     "TileConfig",
@@ -305,10 +305,5 @@ def _check_inputs(
             f"out must match query {tuple(query.shape)} {query.dtype} with a "
             f"contiguous head_dim, got {tuple(out.shape)} {out.dtype}"
         )
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if query.device.type != "cuda" and not interpret:
-        raise ValueError(
-            f"tree_attention_triton needs CUDA tensors, got {query.device}; use "
-            f"tree_attention_reference on the CPU"
-        )
+    require_triton_device(query, "tree_attention_triton", "tree_attention_reference")
     return num_reqs
