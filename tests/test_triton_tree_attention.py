@@ -310,6 +310,69 @@ def test_cuda_graph_capture_without_host_sync():
     assert_close(out, run_reference(batch, mask))
 
 
+def test_captured_plan_serves_later_steps():
+    """vLLM's full CUDA graph of a verify step, in miniature: a plan made once (as at
+    capture: a causal tree, splits chosen for a 512-token context) and launched on
+    persistent buffers that later steps overwrite: a prefill with no prefix and a
+    causal mask, then a verify step with a prefix and a tree. On CUDA the launch is
+    captured and replayed; under the interpreter it is called again instead."""
+    width, heads, head_dim = 17, (2, 1), 64
+    steps = [make_batch([width], [0], heads, head_dim, torch.float32, seed=s)
+             for s in (31, 32)]
+    steps.append(make_batch([width], [9], heads, head_dim, torch.float32, seed=33))
+    tree = padded_tree_mask(random_trees([width - 1], seed=34), width, seed=34)
+    causal = torch.ones(1, width, width, dtype=torch.bool, device=DEVICE).tril()
+    masks = [causal, causal, tree]
+    num_blocks = max(b.key_cache.shape[0] for b in steps)
+    table_width = max(b.block_table.shape[1] for b in steps)
+    page, kv_heads = steps[0].key_cache.shape[1:3]
+    # Persistent buffers, as vLLM keeps them for a graph.
+    key_cache = torch.full((num_blocks, page, kv_heads, head_dim), float("nan"), device=DEVICE)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    block_table = torch.zeros(1, table_width, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    query_start_loc = torch.tensor([0, width], dtype=torch.int32, device=DEVICE)
+    query = torch.zeros_like(steps[0].query)
+    mask_buffer = torch.zeros(1, width, 1, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(query, float("nan"))
+
+    def load(step: Batch, mask: torch.Tensor) -> None:
+        key_cache[: step.key_cache.shape[0]].copy_(step.key_cache)
+        value_cache[: step.value_cache.shape[0]].copy_(step.value_cache)
+        block_table.zero_()
+        block_table[:, : step.block_table.shape[1]].copy_(step.block_table)
+        seq_lens.copy_(step.seq_lens)
+        query.copy_(step.query)
+        mask_buffer.copy_(pack_tree_mask(mask))
+
+    load(steps[0], causal)
+    plan = plan_tree_attention(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        mask_buffer, SCALE, max_query_len=width, max_seq_len=512, out=out,
+    )
+    assert plan.num_splits > 1  # the split path, as at capture
+
+    def launch() -> None:
+        launch_tree_attention(plan, query, key_cache, value_cache, out)
+
+    if DEVICE.type == "cuda":
+        launch()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch()
+        launch = graph.replay
+    for step, mask in zip(steps[1:], masks[1:], strict=True):
+        load(step, mask)
+        out.fill_(float("nan"))
+        launch()
+        expected = tree_attention_reference(
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+            mask, SCALE,
+        )
+        assert_close(out[:width], expected[:width])
+        assert not out.isnan().any()
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_one_plan_serves_every_layer(num_splits: int):
     """A plan made from one layer's tensors runs another layer of the same shapes
