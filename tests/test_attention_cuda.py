@@ -173,8 +173,8 @@ def torch_twin_as_kernel(monkeypatch):
     monkeypatch.setattr(cuda, "tree_attention_step", lambda tree, *args, **kw: twin(*args, **kw))
 
 
-def one_request_oracle(batch: Batch, info: TreeAttentionInfo, r: int) -> torch.Tensor:
-    """Request r alone through the reference, with its own mask."""
+def one_request_oracle(batch: Batch, tree_mask: torch.Tensor, r: int) -> torch.Tensor:
+    """Request r alone through the reference, with its own mask (``tree_mask[r]``)."""
     start = int(batch.metadata.query_start_loc[r])
     n = batch.query_lens[r]
     key_cache, value_cache = cuda.split_kv_cache(batch.kv_cache)
@@ -185,7 +185,7 @@ def one_request_oracle(batch: Batch, info: TreeAttentionInfo, r: int) -> torch.T
         batch.metadata.block_table[r : r + 1],
         batch.metadata.seq_lens[r : r + 1],
         torch.tensor([0, n], dtype=torch.int32),
-        info.tree_mask[r : r + 1, :n, :n],
+        tree_mask[r : r + 1, :n, :n],
         StandInParent.scale,
     )
 
@@ -209,7 +209,7 @@ def test_all_tree_rows_skip_the_parent():
     for r in range(3):
         start = int(batch.metadata.query_start_loc[r])
         rows = slice(start, start + batch.query_lens[r])
-        torch.testing.assert_close(output[rows], one_request_oracle(batch, info, r))
+        torch.testing.assert_close(output[rows], one_request_oracle(batch, info.tree_mask, r))
     assert torch.equal(output[-2:], torch.zeros_like(output[-2:]))  # padding rows
 
 
@@ -225,7 +225,7 @@ def test_mixed_batch_parent_rows_then_tree_rows():
     starts = batch.metadata.query_start_loc.tolist()
     for r in (1, 3):
         rows = slice(starts[r], starts[r] + batch.query_lens[r])
-        torch.testing.assert_close(output[rows], one_request_oracle(batch, info, r))
+        torch.testing.assert_close(output[rows], one_request_oracle(batch, info.tree_mask, r))
     parent_rows = [*range(6), 10, 14, 15]
     assert bool((output[parent_rows] == PARENT_FILL).all())
 
@@ -300,18 +300,6 @@ def test_builder_attaches_only_a_published_tree():
     assert cpu.DDTreeCPUAttentionMetadataBuilder._cudagraph_support.name == "NEVER"
 
 
-def causal_oracle(batch: Batch, r: int) -> torch.Tensor:
-    """Request r's rows under plain causal attention over prefix + its own rows."""
-    start, n = int(batch.metadata.query_start_loc[r]), batch.query_lens[r]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
-    key_cache, value_cache = cuda.split_kv_cache(batch.kv_cache)
-    return tree_attention_reference(
-        batch.query[start : start + n], key_cache, value_cache,
-        batch.metadata.block_table[r : r + 1], batch.metadata.seq_lens[r : r + 1],
-        torch.tensor([0, n], dtype=torch.int32), causal, StandInParent.scale,
-    )
-
-
 def test_masks_are_packed_into_the_persistent_buffer():
     """A captured kernel reads the step's masks from one buffer: prepare_for writes
     them there (narrower steps into its corner), and leaves other rows alone."""
@@ -329,7 +317,7 @@ def test_masks_are_packed_into_the_persistent_buffer():
     for r in range(3):
         start = int(batch.metadata.query_start_loc[r])
         torch.testing.assert_close(output[start : start + batch.query_lens[r]],
-                                   one_request_oracle(batch, info, r))
+                                   one_request_oracle(batch, info.tree_mask, r))
 
 
 def test_causal_info_is_causal_attention():
@@ -341,10 +329,11 @@ def test_causal_info_is_causal_attention():
     assert info.num_rows.tolist() == [4, 4, 2]
     output, impl = run_impl(batch, info)
     assert impl.calls == 0
+    causal = torch.ones(4, 4, dtype=torch.bool).tril().expand(3, 4, 4)
     for r in range(3):
         start = int(batch.metadata.query_start_loc[r])
         torch.testing.assert_close(output[start : start + batch.query_lens[r]],
-                                   causal_oracle(batch, r))
+                                   one_request_oracle(batch, causal, r))
     with pytest.raises(ValueError, match="at most 3 rows"):
         causal_attention_info(batch.metadata.query_start_loc, 3)
 
