@@ -8,7 +8,10 @@ runner and the plugin's hooks together. For each it reports, per decode step:
 - wall time, and the GPU's busy time (sum of kernel times) as a share of it;
 - each DDTree phase (``ddtree.*`` ranges, vllm_ddtree/sync.py ``step_phase``): host
   time and the kernel time it launched;
-- the operators with the most host time and the most kernel time.
+- the operators with the most host time and the most kernel time;
+- without any profiler, the host time of the step's parts (scheduler, model runner
+  phases, the plugin's hooks), timed with ``perf_counter`` around each call:
+  inclusive times, so nested parts also count in their callers.
 
     python benchmarks/profile_gpu_step.py --configs chain:1 ddtree16:1 ddtree16:32
 """
@@ -22,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
@@ -108,6 +111,9 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
     plain_seconds = time.perf_counter() - start
     python_top = python_profile(lambda: llm.generate(prompts, params, use_tqdm=False),
                                 args.top)
+    with PhaseTimer() as timer:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
     # Decode steps per request (+1: the prefill step, which this call also runs).
     steps = (after["drafts"] - before["drafts"]) / batch if run.speculative else tokens / batch
     steps = max(1.0, steps)
@@ -126,12 +132,116 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
         "wall_ms_per_step": 1e3 * seconds / steps,
         "unprofiled_ms_per_step": 1e3 * plain_seconds / steps,
         "python_top": python_top,
+        "host_parts": timer.per_step(steps),
         "kernel_ms_per_step": kernel_us / 1e3 / steps,
         "gpu_busy_share": kernel_us / 1e6 / seconds,
         "phases": phases,
         "top_host": sorted(rows, key=lambda r: -r["self_host_ms"])[:top],
         "top_kernel": sorted(rows, key=lambda r: -r["self_kernel_ms"])[:top],
     }
+
+
+# (module, class or None, attribute): the calls PhaseTimer times. Missing ones are
+# skipped (a chain engine has no DDTree sampler; vLLM may rename a method).
+TIMED = (
+    ("vllm.v1.engine.llm_engine", "LLMEngine", "step"),
+    ("vllm.v1.engine.core", "EngineCore", "step"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_calc_spec_decode_metadata"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_build_attention_metadata"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
+     "_determine_batch_execution_and_padding"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_preprocess"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_bookkeeping_sync"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids"),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "propose"),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer",
+     "prepare_next_token_ids_padded"),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "prepare_inputs_padded"),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer",
+     "build_per_group_and_layer_attn_metadata"),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer",
+     "build_model_inputs_first_pass"),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer",
+     "_determine_batch_execution_and_padding"),
+    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "_greedy_sample"),
+    ("vllm.v1.spec_decode.dflash", "DFlashProposer", "set_inputs_first_pass"),
+    ("vllm.compilation.cuda_graph", "CUDAGraphWrapper", "__call__"),
+    ("vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward"),
+    ("vllm_ddtree.proposer", "DDTreeProposer", "propose"),
+    ("vllm_ddtree.proposer", None, "build_ddtree"),
+    ("vllm_ddtree.proposer", "DDTreeProposer", "_sample_draft_tokens"),
+    ("vllm_ddtree.tree", None, "topk_per_depth"),
+    ("vllm_ddtree.runner", None, "step_trees"),
+    ("vllm_ddtree.runner", None, "tree_positions"),
+    ("vllm_ddtree.attention.state", "TreeAttentionInfo", "prepare_for"),
+    ("vllm_ddtree.sampler", "DDTreeSampler", "forward"),
+    ("vllm_ddtree.sampler", None, "process_logits"),
+    ("vllm_ddtree.sampler", None, "walk_tree"),
+    ("vllm_ddtree.runner", None, "begin_verify_step"),
+    ("vllm_ddtree.runner", None, "compact_after_walk"),
+    ("vllm_ddtree.runner", None, "record_drafted_trees"),
+    ("vllm_ddtree.attention.common", "TreeMetadataBuilderMixin", "build"),
+)
+
+
+class PhaseTimer:
+    """Host time of the TIMED calls while in the block: each is wrapped in a
+    ``perf_counter`` pair (no profiler, no device sync), then restored."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._restore: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> Self:
+        import importlib
+
+        for module_name, class_name, attr in TIMED:
+            try:
+                owner = importlib.import_module(module_name)
+                if class_name is not None:
+                    owner = getattr(owner, class_name)
+                original = owner.__dict__[attr]
+            except (ImportError, AttributeError, KeyError):
+                continue
+            label = f"{class_name + '.' if class_name else ''}{attr}"
+            owner_attr = (owner, attr, original)
+            setattr(owner, attr, self._timed(label, original))
+            self._restore.append(owner_attr)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, original in reversed(self._restore):
+            setattr(owner, attr, original)
+        self._restore.clear()
+
+    def _timed(self, label: str, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        return timed
+
+    def per_step(self, steps: float) -> list[dict]:
+        rows = [{"part": label, "host_ms": 1e3 * secs / steps,
+                 "calls_per_step": self.calls[label] / steps}
+                for label, secs in self.seconds.items()]
+        return sorted(rows, key=lambda r: -r["host_ms"])
 
 
 def python_profile(work, top: int) -> list[dict]:
@@ -183,6 +293,10 @@ def report(result: dict) -> str:
         lines.append(f"   top {title} time per step:")
         lines += [f"     {r[col]:7.3f} ms  x{r['calls_per_step']:6.1f}  {r['op'][:90]}"
                   for r in rows]
+    if result.get("host_parts"):
+        lines.append("   host time of the step's parts per step (no profiler, inclusive):")
+        lines += [f"     {r['host_ms']:7.3f} ms  x{r['calls_per_step']:6.1f}  {r['part']}"
+                  for r in result["host_parts"]]
     if result.get("python_top"):
         steps = result["steps"]
         lines.append("   top Python functions per step (cProfile, own time):")
