@@ -1,8 +1,9 @@
 """Per-step cost of the DDTree host-side tensor ops next to a Qwen3-8B-shaped step.
 
 Tree ops = build_ddtree (top-K per depth over the vocabulary + best-prefix selection)
-+ walk_tree + plan_compaction + one plan_slots + move_slots on K and V of every
-layer's paged cache (as vllm_ddtree/runner.py does). Timed eagerly (host wall time per
++ walk_tree + compaction as vllm_ddtree/runner.py does it on CUDA: the KV moves of
+every layer's paged cache (vLLM's CUDA layout) in one launch, the hidden-state and
+token-id rows, and the positions back in chain order. Timed eagerly (host wall time per
 call, synchronised) and as a CUDA-graph replay, with a per-op eager breakdown.
 
 The step estimate is measured in the same run: one verify forward of a Qwen3-8B-shaped
@@ -29,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_ddtree.compaction import move_slots, plan_compaction, plan_slots
+from vllm_ddtree.attention.kv_move_triton import compact_kv_triton
+from vllm_ddtree.compaction import compact_rows, restore_chain_positions
 from vllm_ddtree.tree import build_ddtree
 from vllm_ddtree.verify import walk_tree
 
@@ -119,14 +121,22 @@ class TreeOps:
         noise = torch.randint(0, args.vocab, (batch, n), device=dev, generator=gen)
         keep = torch.rand(batch, n, device=dev, generator=gen) < 0.8
         self.target = torch.where(keep, child_tok[:, :n], noise)
-        # Paged caches of every layer; verify rows sit at positions context .. context + n - 1.
+        # Paged caches of every layer in vLLM's CUDA layout (K and V in one row per
+        # head and slot); verify rows sit at positions context .. context + n - 1.
         page = args.page_size
         pages = -(-(args.context + n) // page)
         num_blocks = batch * pages
         self.caches = [
-            torch.randn(num_blocks, page, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-            for _ in range(2 * args.layers)
+            torch.randn(num_blocks, KV_HEADS, page, 2 * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+            for _ in range(args.layers)
         ]
+        # The rows the drafter reads: target hidden states (DFlash conditions on
+        # several layers; five here) and token ids; positions of the verify rows.
+        self.rows = [torch.randn(batch * n, HIDDEN, device=dev, dtype=torch.bfloat16)
+                     for _ in range(5)]
+        self.rows.append(torch.zeros(batch * n, dtype=torch.int32, device=dev))
+        self.positions = (args.context + torch.arange(n, device=dev)).repeat(batch)
+        self.num_scheduled = torch.full((batch,), budget, device=dev)
         table = torch.randperm(num_blocks, device=dev).view(batch, pages)
         pos = args.context + torch.arange(n, device=dev)
         self.slot_mapping = (table[:, pos // page] * page + pos % page).flatten()
@@ -139,15 +149,11 @@ class TreeOps:
         return walk_tree(tree, self.target, self.depth)
 
     def compact(self, walk) -> None:
-        # As the model runner does: plan once per slot mapping (all layers of
-        # one KV-cache group share it), then move every layer's K and V.
-        plan = plan_compaction(walk, self.query_start_loc)
-        src, dst = plan_slots(self.slot_mapping, plan)
-        self.move_all(src, dst)
-
-    def move_all(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for cache in self.caches:
-            move_slots(cache.view(-1, KV_HEADS, HEAD_DIM), src, dst)
+        # As the model runner does on CUDA (runner.compact_after_walk).
+        row_start = self.query_start_loc[:-1].to(torch.int64)
+        compact_kv_triton(self.caches, self.slot_mapping, walk.accepted_nodes, row_start)
+        compact_rows(self.rows, walk.accepted_nodes, row_start)
+        restore_chain_positions(self.positions, row_start, self.num_scheduled, self.budget + 1)
 
     def step(self) -> None:
         tree = self.build()
@@ -251,10 +257,6 @@ def measure_ops(batch: int, budget: int, args) -> dict:
     row["build_graph_ms"] = graph_ms(ops.build, args.iters)
     row["walk_graph_ms"] = graph_ms(functools.partial(ops.walk, tree), args.iters)
     row["compact_graph_ms"] = graph_ms(functools.partial(ops.compact, walk), args.iters)
-    # Moves alone (one plan, reused by every layer): what compaction costs at best
-    # without fusing the per-layer launches.
-    src, dst = plan_slots(ops.slot_mapping, plan_compaction(walk, ops.query_start_loc))
-    row["moves_graph_ms"] = graph_ms(functools.partial(ops.move_all, src, dst), args.iters)
     row["mean_accepted"] = float(walk.num_accepted.float().mean())
     return row
 
@@ -266,9 +268,9 @@ def save(args, device_name: str, rows: list[dict]) -> None:
             "device": device_name, "torch": torch.__version__,
             "max_depth": args.max_depth, "vocab": args.vocab, "layers": args.layers,
             "context": args.context, "page_size": args.page_size,
-            "note": "ops = build_ddtree + walk_tree + plan_compaction + one plan_slots, then "
-                    "move_slots on K and V of every layer; step = Qwen3-8B-shaped GEMMs + "
-                    "tree attention, CUDA graph",
+            "note": "ops = build_ddtree + walk_tree + compaction as the runner does it on "
+                    "CUDA (KV of every layer in one launch, hidden/aux/token-id rows, "
+                    "positions); step = Qwen3-8B-shaped GEMMs + tree attention, CUDA graph",
             "results": rows,
         }, f, indent=1)
 

@@ -1,7 +1,8 @@
-"""vllm_ddtree/attention/kv_move_triton.py against its torch twin, cuda.move_kv_slots.
+"""vllm_ddtree/attention/kv_move_triton.py against its torch twin: the compaction plan
+(plan_rows, plan_slots) and cuda.move_kv_slots layer by layer.
 
-Moves come from real compaction plans: sorted accepted paths (as DDTree's depth-major
-trees give), padding rows with slot -1 and a padding request, over several separately
+Moves come from accepted paths as DDTree's depth-major trees give them (increasing
+nodes), with padding rows of slot -1 and a padding request, over several separately
 allocated layers in vLLM's CUDA cache layout, odd head counts and row widths, and every
 cache dtype width. Every bit must match the twin, untouched slots included. Run on the
 CPU through Triton's interpreter with ``TRITON_INTERPRET=1``.
@@ -17,8 +18,8 @@ import torch
 from tests.test_compaction import setup
 from tests.triton_utils import DEVICE, needs_cuda, needs_kernel
 from vllm_ddtree.attention import cuda
-from vllm_ddtree.attention.kv_move_triton import move_kv_slots_triton, triton_can_move
-from vllm_ddtree.compaction import block_slot_moves, plan_compaction, plan_slots
+from vllm_ddtree.attention.kv_move_triton import compact_kv_triton, triton_can_move
+from vllm_ddtree.compaction import block_slot_moves, plan_rows, plan_slots
 from vllm_ddtree.verify import WalkResult
 
 pytestmark = [pytest.mark.gpu, needs_kernel]
@@ -68,17 +69,17 @@ def test_kernel_matches_the_layer_by_layer_twin(dtype, budget, max_depth, heads,
         walk = depth_major_walk(num_reqs + 1, budget, max_depth, rng)
         walk.accepted_nodes[-1, 1:] = -1  # the padding request accepts nothing
         walk.num_accepted[-1] = 0
-        plan = plan_compaction(walk, starts)
-        src, dst = plan_slots(slot_mapping, plan)
-        src, dst = src.view(num_reqs + 1, -1), dst.view(num_reqs + 1, -1)
+        row_start = starts[:-1]
+        src, dst = plan_slots(slot_mapping, plan_rows(walk.accepted_nodes, row_start))
         num_blocks = int(slot_mapping.max()) // page + 2
         caches = make_caches(3, num_blocks, heads, page, 2 * head_dim, dtype, gen)
         expected = [c.cpu().clone() for c in caches]
-        moves = block_slot_moves(src.flatten(), dst.flatten(), page)
+        moves = block_slot_moves(src, dst, page)
         for cache in expected:
             cuda.move_kv_slots(cache, moves)
         assert triton_can_move(caches)
-        move_kv_slots_triton(caches, src.to(DEVICE), dst.to(DEVICE))
+        compact_kv_triton(caches, slot_mapping.to(DEVICE), walk.accepted_nodes.to(DEVICE),
+                          row_start.to(DEVICE))
         for got, want in zip(caches, expected, strict=True):
             assert torch.equal(bits(got), bits(want))
 
@@ -89,37 +90,60 @@ def test_dispatch_takes_the_kernel_for_alike_caches_only():
     assert triton_can_move(caches)
     assert not triton_can_move([caches[0], caches[1][:, :, :2]])  # another shape
     assert not triton_can_move([caches[0], caches[1].float()])  # another dtype
-    src = torch.tensor([[0, 2, 3]], device=DEVICE)
-    dst = torch.tensor([[0, 1, 2]], device=DEVICE)
+    slots = torch.arange(8, device=DEVICE)
+    accepted = torch.tensor([[0, 2, 3]], device=DEVICE)
+    start = torch.tensor([0], device=DEVICE)
     with pytest.raises(ValueError, match="one shape"):
-        move_kv_slots_triton([caches[0], caches[1].float()], src, dst)
-    with pytest.raises(ValueError, match=r"\[num_reqs, width\]"):
-        move_kv_slots_triton(caches, src.flatten(), dst.flatten())
+        compact_kv_triton([caches[0], caches[1].float()], slots, accepted, start)
+    with pytest.raises(ValueError, match=r"\[num_reqs, max_depth \+ 1\]"):
+        compact_kv_triton(caches, slots, accepted.flatten(), start)
+
+
+def test_the_check_is_remembered_per_list_of_caches():
+    """The runner passes one list of caches every step: checked once, then remembered
+    for that list object only."""
+    gen = torch.Generator().manual_seed(1)
+    caches = make_caches(2, 4, 2, 4, 8, torch.bfloat16, gen)
+    assert triton_can_move(caches)
+    caches.append(caches[0].float())  # callers must not do this; shows the memo is used
+    assert triton_can_move(caches)
+    assert not triton_can_move(list(caches))  # another list: checked afresh
+
+
+def twin(caches, slot_mapping, accepted, row_start):
+    """The torch path: the plan, then cuda.move_kv_slots layer by layer (on copies)."""
+    src, dst = plan_slots(slot_mapping.cpu(), plan_rows(accepted.cpu(), row_start.cpu()))
+    moves = block_slot_moves(src, dst, caches[0].shape[2])
+    expected = [c.cpu().clone() for c in caches]
+    for cache in expected:
+        cuda.move_kv_slots(cache, moves)
+    return expected
+
+
+# Two requests of four verify rows (roots at rows 0 and 4) and their slots.
+SLOTS = [0, 5, 9, 11, 32, 40, 41, 44]
 
 
 @needs_cuda
 def test_no_host_sync_and_graph_replay():
-    """One launch, no host sync, and a captured launch replays new moves correctly."""
+    """One launch, no host sync, and a captured launch replays new paths correctly."""
     gen = torch.Generator().manual_seed(7)
     caches = make_caches(4, 40, 8, 16, 256, torch.bfloat16, gen)
-    src = torch.tensor([[0, 5, 9, 0], [32, 40, 41, 44]], device=DEVICE)
-    dst = torch.tensor([[0, 1, 2, 0], [32, 33, 34, 35]], device=DEVICE)
-    move_kv_slots_triton(caches, src, dst)  # compile outside the sync check
+    slot_mapping = torch.tensor(SLOTS, device=DEVICE)
+    row_start = torch.tensor([0, 4], device=DEVICE)
+    accepted = torch.tensor([[0, 2, 3, -1], [0, 1, 3, -1]], device=DEVICE)
+    compact_kv_triton(caches, slot_mapping, accepted, row_start)  # compile outside the check
     torch.cuda.set_sync_debug_mode("error")
     try:
-        move_kv_slots_triton(caches, src, dst)
+        compact_kv_triton(caches, slot_mapping, accepted, row_start)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    static_src, static_dst = src.clone(), dst.clone()
+    static = accepted.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        move_kv_slots_triton(caches, static_src, static_dst)
-    static_src.copy_(torch.tensor([[0, 3, 4, 0], [32, 34, 37, 38]]))
-    static_dst.copy_(torch.tensor([[0, 1, 2, 0], [32, 33, 34, 35]]))
-    expected = [c.clone() for c in caches]
-    moves = block_slot_moves(static_src.flatten(), static_dst.flatten(), 16)
-    for cache in expected:
-        cuda.move_kv_slots(cache, moves)
+        compact_kv_triton(caches, slot_mapping, static, row_start)
+    static.copy_(torch.tensor([[0, 1, 2, 3], [0, 3, -1, -1]]))
+    expected = twin(caches, slot_mapping, static, row_start)
     graph.replay()
     for got, want in zip(caches, expected, strict=True):
         assert torch.equal(bits(got), bits(want))
@@ -129,20 +153,18 @@ def test_caches_reused_at_the_same_addresses_with_another_dtype():
     """Layer offsets count elements: caches of another element size at the same
     addresses (freed memory handed out again) must not reuse cached offsets."""
     gen = torch.Generator().manual_seed(11)
-    shape, spacing = (4, 2, 4, 8), 4096  # bytes between layers: room for any dtype here
+    shape, spacing = (12, 2, 4, 8), 4096 * 4  # bytes between layers: room for any dtype here
     buffer = torch.zeros(3 * spacing, dtype=torch.uint8, device=DEVICE)
-    src = torch.tensor([[0, 2, 3], [8, 10, 8]], device=DEVICE)
-    dst = torch.tensor([[0, 1, 2], [8, 9, 8]], device=DEVICE)
+    slot_mapping = torch.tensor(SLOTS, device=DEVICE)
+    row_start = torch.tensor([0, 4], device=DEVICE)
+    accepted = torch.tensor([[0, 2, 3, -1], [0, 2, -1, -1]], device=DEVICE)
     for dtype in (torch.bfloat16, torch.float32):
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         caches = [buffer[i * spacing : i * spacing + nbytes].view(dtype).view(shape)
                   for i in (1, 0, 2)]  # the first layer in the middle: offsets of both signs
         for cache in caches:
             cache.copy_(torch.randn(shape, generator=gen).to(dtype))
-        expected = [c.cpu().clone() for c in caches]
-        moves = block_slot_moves(src.flatten().cpu(), dst.flatten().cpu(), shape[2])
-        for cache in expected:
-            cuda.move_kv_slots(cache, moves)
-        move_kv_slots_triton(caches, src, dst)
+        expected = twin(caches, slot_mapping, accepted, row_start)
+        compact_kv_triton(caches, slot_mapping, accepted, row_start)
         for got, want in zip(caches, expected, strict=True):
             assert torch.equal(bits(got), bits(want))

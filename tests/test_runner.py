@@ -10,6 +10,7 @@ import torch
 
 from vllm_ddtree.attention import cuda
 from vllm_ddtree.runner import (
+    _kv_groups,
     capture_attention_info,
     check_tree_backends,
     may_replay_full_graph,
@@ -100,3 +101,21 @@ def test_only_steps_of_tree_rows_alone_replay_full_graphs():
     assert not may_replay_full_graph(state)
     state.attn_info = SimpleNamespace(all_rows_are_tree_rows=True)
     assert may_replay_full_graph(state)
+
+
+def test_kv_groups_are_found_once_by_cache_group_and_backend():
+    """Compaction moves each group's layers together: layers are grouped by KV-cache
+    group and backend, drafter layers left out, once per runner; CPU caches never
+    take the CUDA-layout kernel."""
+    backends = {f"model.layers.{i}.attn": cuda.DDTreeTritonAttentionBackend for i in range(4)}
+    backends["draft.layers.0.attn"] = cuda.DDTreeTritonAttentionBackend
+    runner = fake_runner(backends, draft_layers=["draft.layers.0.attn"])
+    names = list(backends)
+    runner.kv_cache_config.kv_cache_groups = [SimpleNamespace(layer_names=names[:2]),
+                                              SimpleNamespace(layer_names=names[2:])]
+    runner.device = torch.device("cpu")
+    runner.ddtree_state = SimpleNamespace(kv_groups=None)
+    groups = _kv_groups(runner)
+    assert [g.layer_names for g in groups] == [names[:2], names[2:4]]
+    assert all(len(g.kv_caches) == len(g.layer_names) and not g.fused for g in groups)
+    assert _kv_groups(runner) is groups  # found once

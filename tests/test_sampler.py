@@ -12,7 +12,6 @@ from vllm_ddtree import sampler
 from vllm_ddtree.sampler import (
     TreeVerifyStep,
     chain_trees,
-    narrow_tree,
     sample_node_tokens,
     select_trees,
     step_rows,
@@ -119,14 +118,6 @@ def test_step_rows_clamp_absent_nodes():
     assert rows.tolist() == [[0, 1, 2, 3], [4, 4, 4, 4], [5, 6, 7, 7]]
 
 
-def test_narrow_tree_cuts_unscheduled_nodes():
-    drafted = _drafted_trees(2, budget=6)
-    tree = narrow_tree(drafted, 4, torch.tensor([3, 1]))
-    assert tree.tokens.shape == (2, 4)
-    assert tree.valid.tolist() == [[True] * 4, [True, True, False, False]]
-    assert tree.num_nodes.tolist() == [3, 1]
-
-
 def test_greedy_node_tokens_are_argmax():
     logits = torch.randn(7, 10)
     rows = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 6]])
@@ -227,6 +218,19 @@ def test_idle_builtin_processors_are_skipped_and_others_run():
     assert custom.calls == 3  # one [num_reqs, vocab] block per column
     assert torch.equal(out, torch.ones(5, 7))  # every row once; idle built-ins never ran
     metadata.logitsprocs.non_argmax_invariant = idle
-    assert torch.equal(sampler.process_logits(logits, rows, step, metadata), logits)
+    assert sampler.process_logits(logits, rows, step, metadata) is logits  # nothing to do
     metadata.logitsprocs.non_argmax_invariant = [used]
     assert torch.equal(sampler.process_logits(logits, rows, step, metadata), logits - 100)
+    assert torch.equal(logits, torch.zeros(5, 7))  # processed on a copy
+
+
+def test_the_walk_refuses_trees_of_another_width():
+    """Every verified draft needs its node: trees narrower than the step are an error,
+    not a silently shorter walk."""
+    drafted = _drafted_trees(1, budget=3)
+    step = sampler.TreeVerifyStep(tree=drafted, num_scheduled=torch.tensor([3]),
+                                  row_start=torch.tensor([0]), max_depth=3)
+    meta = _metadata([[5, 6, 7, 8]])  # four drafts: width 5
+    module = sampler.DDTreeSampler(SimpleNamespace(), lambda: step)
+    with pytest.raises(RuntimeError, match="4 nodes per request, but 4 drafts"):
+        module(meta, None, torch.zeros(5, 10), SimpleNamespace())

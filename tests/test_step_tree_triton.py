@@ -4,7 +4,9 @@ Each case draws drafted trees (random drafters, top-k caps, padding nodes) and s
 each request one of: its whole tree, a prefix of it, drafts that differ from it, no
 drafts, or no tree at all (index -1, or no drafted trees this step); all six DDTree
 fields must match exactly, and the kernel's outputs start as garbage (poisoned
-torch.empty). Run on the CPU through Triton's interpreter with ``TRITON_INTERPRET=1``.
+torch.empty). The masks packed into the attention's buffer (``packed_out``) must equal
+attention.reference.pack_tree_mask of the ancestor masks, and nothing else in the
+buffer may change. Run on the CPU through Triton's interpreter with ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from tests.test_sampler import _metadata
 from tests.triton_utils import DEVICE, needs_cuda, needs_kernel, poisoned_empty
+from vllm_ddtree.attention.reference import pack_tree_mask
 from vllm_ddtree.sampler import step_trees
 from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.tree import build_ddtree
@@ -64,17 +67,26 @@ def test_kernel_matches_torch(monkeypatch, budget, depth, cap):
         width = int(n.max()) + 1
         for with_trees in (True, False):
             tree, rows = (drafted, index) if with_trees else (None, None)
-            want = step_trees(tree, rows, meta, n, width, use_triton=False)
+            # A buffer larger than the step, as the runner's (max_num_reqs, budget + 1).
+            buffer = torch.randint(-9, 9, (num_reqs + 2, budget + 2, 4), dtype=torch.int32)
+            want_packed = buffer.clone()
+            want = step_trees(tree, rows, meta, n, width, use_triton=False,
+                              packed_out=want_packed)
             meta_dev = _metadata([[]])
             meta_dev.draft_token_ids = meta.draft_token_ids.to(DEVICE).to(torch.int32)
             meta_dev.cu_num_draft_tokens = meta.cu_num_draft_tokens.to(DEVICE)
+            got_packed = buffer.to(DEVICE)
             got = step_trees(
                 None if tree is None else on_device(tree),
                 None if rows is None else rows.to(DEVICE),
-                meta_dev, n.to(DEVICE), width, use_triton=True,
+                meta_dev, n.to(DEVICE), width, use_triton=True, packed_out=got_packed,
             )
             for f in FIELDS:
                 assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), (f, with_trees)
+            packed = pack_tree_mask(want.ancestor_mask)
+            words = packed.shape[2]
+            assert torch.equal(want_packed[:num_reqs, :width, :words], packed)
+            assert torch.equal(got_packed.cpu(), want_packed)
 
 
 def test_checks():

@@ -125,8 +125,8 @@ def test_int32_strided_targets_and_empty_batch(monkeypatch):
 
 
 def narrow(tree: DDTree, width: int, scheduled: torch.Tensor) -> DDTree:
-    """The first `width` nodes, nodes past the scheduled count cut (as sampler.narrow_tree,
-    without importing vLLM): column slices of the stored tree, row stride budget + 1."""
+    """The first `width` nodes, nodes past the scheduled count cut: column slices of the
+    stored tree (row stride budget + 1), trees as a verify step may hand them over."""
     cut = tree.valid[:, :width] & (torch.arange(width, device=DEVICE) <= scheduled[:, None])
     return DDTree(
         tokens=tree.tokens[:, :width],

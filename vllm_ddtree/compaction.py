@@ -35,20 +35,104 @@ def plan_compaction(
     query_start_loc: torch.Tensor,  # [num_reqs + 1]
 ) -> CompactionPlan:
     """Verify-token rows to move: accepted node at depth d -> row query_start + d."""
-    num_reqs, width = walk.accepted_nodes.shape  # width = max_depth + 1
+    num_reqs = walk.accepted_nodes.shape[0]
     if query_start_loc.shape != (num_reqs + 1,):
         raise ValueError(
             f"query_start_loc must be [num_reqs + 1] = [{num_reqs + 1}], "
             f"got {tuple(query_start_loc.shape)}"
         )
-    start = query_start_loc[:-1].to(torch.int64)[:, None]  # [num_reqs, 1]
+    return plan_rows(walk.accepted_nodes, query_start_loc[:-1])
+
+
+def plan_rows(
+    accepted_nodes: torch.Tensor,  # [num_reqs, max_depth + 1], -1 past the path
+    row_start: torch.Tensor,  # [num_reqs] flat row of each root
+) -> CompactionPlan:
+    """plan_compaction from the accepted nodes and each request's root row."""
+    width = accepted_nodes.shape[1]
+    start = row_start.to(torch.int64)[:, None]  # [num_reqs, 1]
     d = torch.arange(width, device=start.device)
-    node = walk.accepted_nodes
+    node = accepted_nodes
     # Past the path: identity moves on the root row, which never moves and is
     # never a destination, and always lies inside the request's own rows.
     src = torch.where(node >= 0, start + node, start)
     dst = torch.where(node >= 0, start + d, start)
     return CompactionPlan(src_rows=src, dst_rows=dst, hidden_rows=src)
+
+
+def compact_rows(
+    tensors: list[torch.Tensor],  # each [num_rows, ...]: hidden states, token ids
+    accepted_nodes: torch.Tensor,  # [num_reqs, max_depth + 1], -1 past the path
+    row_start: torch.Tensor,  # [num_reqs] int64
+    *,
+    use_triton: bool | None = None,  # None: the Triton kernel on CUDA, else torch
+) -> None:
+    """Row row_start + d of every tensor takes row row_start + node_d (the node accepted
+    at depth d), in place: the accepted path's per-row values in chain order."""
+    if use_triton is None:
+        use_triton = accepted_nodes.is_cuda
+    if use_triton:
+        from vllm_ddtree.compact_rows_triton import compact_rows_triton
+
+        compact_rows_triton(tensors, accepted_nodes, row_start)
+        return
+    plan = plan_rows(accepted_nodes, row_start)
+    src, dst = plan.hidden_rows.flatten(), plan.dst_rows.flatten()
+    for t in tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))
+
+
+def tree_positions(
+    positions: torch.Tensor,  # [num_rows] vLLM's positions of the step: root + i at row start + i
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] the step's query offsets
+    num_scheduled: torch.Tensor,  # [num_reqs] int64, tree nodes sent per request
+    depths: torch.Tensor,  # [num_reqs, width] int64, depth of each node
+    *,
+    use_triton: bool | None = None,  # None: the Triton kernel on CUDA, else torch
+) -> torch.Tensor:  # [num_reqs] int64, flat row of each root
+    """Siblings share a position: node i of a request moves to root + depth_i, in place
+    (its KV slot stays that of row start + i). Returns each request's root row; a
+    request's tree rows end its query rows."""
+    if use_triton is None:
+        use_triton = positions.is_cuda
+    if use_triton:
+        from vllm_ddtree.compact_rows_triton import tree_positions_triton
+
+        return tree_positions_triton(positions, query_start_loc, num_scheduled, depths)
+    num_reqs, width = depths.shape
+    row_start = query_start_loc[1 : num_reqs + 1].to(torch.int64) - num_scheduled - 1
+    node = torch.arange(width, device=depths.device)
+    present = node[None, :] <= num_scheduled[:, None]
+    # Absent nodes add 0 to their request's root row (a scatter-add, so the repeats
+    # are harmless); no boolean indexing, so the host never waits.
+    rows = torch.where(present, row_start[:, None] + node[None, :], row_start[:, None])
+    delta = torch.where(present, depths - node, 0).to(positions.dtype)
+    positions.index_add_(0, rows.flatten(), delta.flatten())
+    return row_start
+
+
+def restore_chain_positions(
+    positions: torch.Tensor,  # [num_rows] the step's positions: root + depth at node rows
+    row_start: torch.Tensor,  # [num_reqs] int64
+    num_scheduled: torch.Tensor,  # [num_reqs] int64, tree nodes sent per request
+    width: int,  # > every num_scheduled: the step's verify width
+    *,
+    use_triton: bool | None = None,  # None: the Triton kernel on CUDA, else torch
+) -> None:
+    """Positions back in chain order, in place: row row_start + i (0 < i <= num_scheduled)
+    sits at the root's position + i, as vLLM's next step expects of a chain."""
+    if use_triton is None:
+        use_triton = positions.is_cuda
+    if use_triton:
+        from vllm_ddtree.compact_rows_triton import restore_chain_positions_triton
+
+        restore_chain_positions_triton(positions, row_start, num_scheduled, width)
+        return
+    node = torch.arange(width, device=positions.device)
+    present = node[None, :] <= num_scheduled[:, None]
+    rows = torch.where(present, row_start[:, None] + node[None, :], row_start[:, None])
+    root = positions[row_start][:, None]
+    positions[rows.flatten()] = torch.where(present, root + node, root).flatten().to(positions.dtype)
 
 
 def apply_kv_moves(

@@ -20,12 +20,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.logger import init_logger
 
+from vllm_ddtree.attention.kv_move_triton import compact_kv_triton, triton_can_move
+from vllm_ddtree.attention.reference import BITS_PER_WORD
 from vllm_ddtree.attention.state import (
     TreeAttentionInfo,
     causal_attention_info,
     mask_buffer,
 )
-from vllm_ddtree.compaction import plan_compaction, plan_slots
+from vllm_ddtree.compaction import (
+    compact_rows,
+    plan_rows,
+    plan_slots,
+    restore_chain_positions,
+    tree_positions,
+)
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, step_trees
 from vllm_ddtree.sync import to_device
@@ -52,6 +60,8 @@ class DDTreeRunnerState:
     # Persistent packed ancestor masks, [max_num_reqs, budget + 1, words] int32:
     # full CUDA graphs of verify steps read each step's masks from here.
     mask_buffer: torch.Tensor | None = None
+    # The target's KV-cache layers by group, found at the first compaction.
+    kv_groups: list[KVGroup] | None = None
 
 
 def install(runner: GPUModelRunner) -> None:
@@ -97,26 +107,31 @@ def begin_verify_step(
     width = int(num_draft.max()) + 1
     query_start_host = runner.query_start_loc.cpu[: num_reqs + 1].to(torch.int64)
     query_lens = query_start_host.diff()
-    num_scheduled = to_device(num_draft, device)
-    row_start = runner.query_start_loc.gpu[1 : num_reqs + 1].to(torch.int64) - num_scheduled - 1
 
     # Trees come from the drafter; any request without one (or whose drafts
     # were changed on the way, or that is grammar-constrained) is verified as
-    # the chain it was sent as.
+    # the chain it was sent as. Counts and tree rows travel in one copy.
     drafted: DDTree | None = getattr(runner.drafter, "last_tree", None)
-    index = None
-    if drafted is not None and state.tree_rows:
-        rows = [
+    host = torch.full((2, num_reqs), -1, dtype=torch.int64)
+    host[0] = num_draft
+    has_rows = drafted is not None and bool(state.tree_rows)
+    if has_rows:
+        host[1] = torch.tensor([
             -1 if _has_grammar(runner, rid) else state.tree_rows.get(rid, -1)
             for rid in runner.input_batch.req_ids
-        ]
-        index = to_device(torch.tensor(rows, dtype=torch.int64), device)
-    tree = step_trees(drafted, index, spec_decode_metadata, num_scheduled, width)
+        ], dtype=torch.int64)
+    on_device = to_device(host, device)
+    num_scheduled = on_device[0]
+    index = on_device[1] if has_rows else None
+    # The masks are packed straight into the buffer the tree kernel reads.
+    tree = step_trees(drafted, index, spec_decode_metadata, num_scheduled, width,
+                      packed_out=state.mask_buffer)
 
     # Siblings share a position: node i of a request sits at start + depth_i
     # (its KV slot stays start + i, from vLLM's slot mapping).
-    node = torch.arange(width, device=device)
-    _shift_positions(runner, row_start, num_scheduled, tree.depths - node)
+    row_start = tree_positions(
+        runner.positions, runner.query_start_loc.gpu[: num_reqs + 1], num_scheduled, tree.depths
+    )
 
     state.step = TreeVerifyStep(
         tree=tree,
@@ -131,6 +146,7 @@ def begin_verify_step(
         num_rows=torch.where(has_tree, num_draft + 1, 0),
         tree_reqs=torch.nonzero(has_tree).flatten().tolist(),
         all_rows_are_tree_rows=bool((query_lens == num_draft + 1).all()),
+        packed_mask=state.mask_buffer[:num_reqs, :width, : -(-width // BITS_PER_WORD)],
         mask_buffer=state.mask_buffer,
     )
 
@@ -164,33 +180,66 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
     step, model_state = state.step, state.model_state
     if step is None or step.walk is None or model_state is None:
         return
-    starts = torch.cat([step.row_start, step.row_start[-1:] + 1])
-    plan = plan_compaction(step.walk, starts)
-    src_rows, dst_rows = plan.hidden_rows.flatten(), plan.dst_rows.flatten()
+    accepted, row_start = step.walk.accepted_nodes, step.row_start
 
     # 1. KV of every target attention layer: node slots -> chain slots. Layers
-    #    of one KV-cache group share a slot mapping, so the moves are planned
-    #    once per group and the backend moves all its layers (one launch on CUDA).
-    groups: dict[tuple[int, Any], tuple[torch.Tensor, Any, list[torch.Tensor]]] = {}
-    for layer_name, kv_cache, backend in _target_kv_layers(runner):
-        slot_mapping = _layer_slot_mapping(model_state.slot_mappings, layer_name)
-        if slot_mapping is not None:
-            group = groups.setdefault((id(slot_mapping), backend), (slot_mapping, backend, []))
-            group[2].append(kv_cache)
-    num_reqs = plan.src_rows.shape[0]
-    for slot_mapping, backend, kv_caches in groups.values():
+    #    of one KV-cache group share a slot mapping, so each group's layers move
+    #    together (one launch on CUDA, the kernel planning the moves itself).
+    plan = None
+    for group in _kv_groups(runner):
+        slot_mapping = _layer_slot_mapping(model_state.slot_mappings, group.layer_names[0])
+        if slot_mapping is None:
+            continue
+        if group.fused:
+            compact_kv_triton(group.kv_caches, slot_mapping, accepted, row_start)
+            continue
+        if plan is None:
+            plan = plan_rows(accepted, row_start)
         src, dst = plan_slots(slot_mapping, plan)  # request-major, depth order
-        backend.move_kv_slots_layers(kv_caches, src.view(num_reqs, -1), dst.view(num_reqs, -1))
+        num_reqs = accepted.shape[0]
+        group.backend.move_kv_slots_layers(
+            group.kv_caches, src.view(num_reqs, -1), dst.view(num_reqs, -1)
+        )
 
     # 2. Rows the drafter reads as context: hidden states and token ids.
     tensors = [model_state.hidden_states, runner.input_ids.gpu]
     tensors += list(model_state.aux_hidden_states or [])
-    for t in tensors:
-        t.index_copy_(0, dst_rows, t.index_select(0, src_rows))
+    compact_rows(tensors, accepted, row_start)
 
     # 3. Positions back to chain order: row start + i sits at root + i.
-    node = torch.arange(step.tree.depths.shape[1], device=step.row_start.device)
-    _shift_positions(runner, step.row_start, step.num_scheduled, node - step.tree.depths)
+    restore_chain_positions(
+        runner.positions, row_start, step.num_scheduled, step.tree.depths.shape[1]
+    )
+
+
+@dataclass
+class KVGroup:
+    """Target attention layers that share a KV-cache group and a backend."""
+
+    layer_names: list[str]
+    backend: Any
+    kv_caches: list[torch.Tensor]
+    fused: bool  # the caches fit compact_kv_triton (CUDA, alike layouts)
+
+
+def _kv_groups(runner: GPUModelRunner) -> list[KVGroup]:
+    """The target's KV groups, found once: vLLM binds the caches at start-up and
+    never moves them, and the layer list does not change between steps."""
+    state: DDTreeRunnerState = runner.ddtree_state
+    if state.kv_groups is None:
+        groups: dict[tuple[int, Any], KVGroup] = {}
+        index = {name: i for i, g in enumerate(runner.kv_cache_config.kv_cache_groups)
+                 for name in g.layer_names}
+        for name, kv_cache, backend in _target_kv_layers(runner):
+            group = groups.setdefault(
+                (index[name], backend), KVGroup([], backend, [], fused=False)
+            )
+            group.layer_names.append(name)
+            group.kv_caches.append(kv_cache)
+        for group in groups.values():  # the kernel reads vLLM's CUDA cache layout
+            group.fused = runner.device.type == "cuda" and triton_can_move(group.kv_caches)
+        state.kv_groups = list(groups.values())
+    return state.kv_groups
 
 
 def check_tree_backends(runner: GPUModelRunner) -> None:
@@ -217,24 +266,6 @@ def _has_grammar(runner: GPUModelRunner, req_id: str) -> bool:
     masks their drafts as a chain, so a tree walk would use wrong masks."""
     params = runner.requests[req_id].sampling_params
     return params is not None and params.structured_outputs is not None
-
-
-def _shift_positions(
-    runner: GPUModelRunner,
-    row_start: torch.Tensor,  # [num_reqs] flat row of each root
-    num_scheduled: torch.Tensor,  # [num_reqs] tree nodes sent per request
-    shift: torch.Tensor,  # [num_reqs, width] position change of each node
-) -> None:
-    """positions[root row + i] += shift[:, i] for the nodes that were sent.
-
-    Absent nodes add 0 to their request's root row (a scatter-add, so the
-    repeats are harmless); no boolean indexing, so the host never waits.
-    """
-    node = torch.arange(shift.shape[1], device=row_start.device)
-    present = node[None, :] <= num_scheduled[:, None]
-    rows = torch.where(present, row_start[:, None] + node[None, :], row_start[:, None])
-    delta = torch.where(present, shift, 0).to(runner.positions.dtype)
-    runner.positions.index_add_(0, rows.flatten(), delta.flatten())
 
 
 def _target_kv_layers(runner: GPUModelRunner):

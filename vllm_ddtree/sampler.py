@@ -79,12 +79,17 @@ class DDTreeSampler(nn.Module):
         if step is None:  # e.g. vLLM's dummy sampler run: verify as chains
             step = chain_step(metadata, logits.device)
         num_reqs = step.num_scheduled.shape[0]
+        if step.tree.tokens.shape[1] != width:
+            raise RuntimeError(
+                f"the step's trees have {step.tree.tokens.shape[1]} nodes per request, but "
+                f"{width - 1} drafts per request were verified"
+            )
         # Flat logits row of node i of request r (clamped for absent nodes).
         rows = step_rows(metadata.cu_num_sampled_tokens, step.num_scheduled, width)
         processed = process_logits(logits, rows, step, sampling_metadata)
         node_tokens = sample_node_tokens(processed, rows, sampling_metadata)
-        tree = narrow_tree(step.tree, width, step.num_scheduled)
-        walk = walk_tree(tree, node_tokens, step.max_depth)
+        # Nodes past a request's scheduled count are already invalid (TreeVerifyStep).
+        walk = walk_tree(step.tree, node_tokens, step.max_depth)
         step.walk = walk
         output = walk.output_tokens[:, :width].to(torch.int32)
 
@@ -146,21 +151,30 @@ def step_trees(
     num_scheduled: torch.Tensor,  # [num_reqs] int64
     width: int,
     *,
+    packed_out: torch.Tensor | None = None,  # [>= num_reqs, >= width, >= words] int32
     use_triton: bool | None = None,  # None: the Triton kernel on CUDA, else torch
 ) -> DDTree:
     """The tree each request verifies: its drafted tree where the scheduled drafts
-    match it (select_trees), else the chain it was sent as (chain_trees)."""
+    match it (select_trees), else the chain it was sent as (chain_trees). With
+    ``packed_out``, the ancestor masks are also packed into its leading
+    ``[num_reqs, width, ceil(width / 32)]`` corner (attention.reference.pack_tree_mask)."""
     if use_triton is None:
         use_triton = num_scheduled.is_cuda
     if use_triton:
         from vllm_ddtree.step_tree_triton import step_trees_triton
 
         return step_trees_triton(drafted, index, metadata.draft_token_ids,
-                                 metadata.cu_num_draft_tokens, num_scheduled, width)
-    chains = chain_trees(metadata, num_scheduled, width)
-    if drafted is None or index is None:
-        return chains
-    return select_trees(drafted, index, chains, num_scheduled)
+                                 metadata.cu_num_draft_tokens, num_scheduled, width,
+                                 packed_out)
+    tree = chain_trees(metadata, num_scheduled, width)
+    if drafted is not None and index is not None:
+        tree = select_trees(drafted, index, tree, num_scheduled)
+    if packed_out is not None:
+        from vllm_ddtree.attention.reference import pack_tree_mask
+
+        packed = pack_tree_mask(tree.ancestor_mask)
+        packed_out[: packed.shape[0], : packed.shape[1], : packed.shape[2]].copy_(packed)
+    return tree
 
 
 def chain_trees(
@@ -264,25 +278,6 @@ def step_rows(
     return first[:, None] + torch.minimum(offsets[None, :], num_scheduled[:, None])
 
 
-def narrow_tree(tree: DDTree, width: int, num_scheduled: torch.Tensor) -> DDTree:
-    """The first ``width`` nodes of each tree, nodes past the scheduled count cut.
-
-    Trees are stored depth-major with parents first, so any prefix of the
-    node list is itself a tree (the scheduler may send fewer nodes).
-    """
-    index = torch.arange(width, device=tree.tokens.device)
-    valid = tree.valid[:, :width] & (index[None, :] <= num_scheduled[:, None])
-    mask = tree.ancestor_mask[:, :width, :width] & valid[:, None, :]
-    return DDTree(
-        tokens=tree.tokens[:, :width],
-        parents=tree.parents[:, :width],
-        depths=tree.depths[:, :width],
-        valid=valid,
-        ancestor_mask=mask,
-        num_nodes=valid[:, 1:].sum(dim=1),
-    )
-
-
 def process_logits(
     logits: torch.Tensor,  # [num_rows, vocab]
     rows: torch.Tensor,  # [num_reqs, width]
@@ -293,20 +288,27 @@ def process_logits(
 
     Per-request processors (logit bias, min tokens, min-p, custom ones) act on
     one ``[num_reqs, vocab]`` slice per node column; penalties see each node's
-    own ancestors as already generated.
+    own ancestors as already generated. With nothing to apply (a plain greedy
+    or sampled batch) the float32 logits come back as they are, uncopied.
     """
     num_reqs, width = rows.shape
-    out = logits.float().clone()
-    req_of_row = _request_of_row(rows, out.shape[0])
-    if sampling_metadata.allowed_token_ids_mask is not None:
-        mask = sampling_metadata.allowed_token_ids_mask[:num_reqs][req_of_row]
-        out.masked_fill_(mask, float("-inf"))
-    if not sampling_metadata.no_penalties:
-        out = _apply_tree_penalties(out, rows, req_of_row, step, sampling_metadata)
     procs = list(sampling_metadata.logitsprocs.non_argmax_invariant)
     if not sampling_metadata.all_greedy:
         procs += list(sampling_metadata.logitsprocs.argmax_invariant)
     procs = [proc for proc in procs if not _idle(proc)]
+    out = logits.float()
+    masked = sampling_metadata.allowed_token_ids_mask is not None
+    if not (masked or procs or not sampling_metadata.no_penalties):
+        return out
+    if out is logits:
+        out = out.clone()  # edited in place below; the caller's logits stay raw
+    if masked or not sampling_metadata.no_penalties:
+        req_of_row = _request_of_row(rows, out.shape[0])
+    if masked:
+        mask = sampling_metadata.allowed_token_ids_mask[:num_reqs][req_of_row]
+        out.masked_fill_(mask, float("-inf"))
+    if not sampling_metadata.no_penalties:
+        out = _apply_tree_penalties(out, rows, req_of_row, step, sampling_metadata)
     for col in range(width if procs else 0):
         # Absent nodes repeat their request's last row: leave those rows as
         # they are, so no row is processed twice.

@@ -34,11 +34,25 @@ def step_trees_triton(
     cu_num_draft_tokens: torch.Tensor,  # [num_reqs] cumulative drafts per request
     num_scheduled: torch.Tensor,  # [num_reqs] int64, drafts sent per request
     width: int,  # verify width: the widest request's drafts + 1
+    packed_out: torch.Tensor | None = None,  # [>= num_reqs, >= width, >= words] int32
 ) -> DDTree:
-    """The tree each request verifies this step (Triton twin of sampler.step_trees)."""
+    """The tree each request verifies this step (Triton twin of sampler.step_trees),
+    its ancestor masks also packed into ``packed_out`` when given (as
+    attention.reference.pack_tree_mask packs them: column j is bit j % 32 of word
+    j // 32)."""
     num_reqs = num_scheduled.shape[0]
     device = num_scheduled.device
     _check_inputs(drafted, index, cu_num_draft_tokens, num_scheduled, width)
+    words = -(-width // 32)
+    if packed_out is not None and (
+        packed_out.dtype != torch.int32 or packed_out.dim() != 3
+        or packed_out.shape[0] < num_reqs or packed_out.shape[1] < width
+        or packed_out.shape[2] < words or packed_out.stride(2) != 1
+    ):
+        raise ValueError(
+            f"packed_out must be int32 [>= {num_reqs}, >= {width}, >= {words}] with "
+            f"contiguous words, got {packed_out.dtype} {tuple(packed_out.shape)}"
+        )
     tokens = torch.empty(num_reqs, width, dtype=torch.int64, device=device)
     parents = torch.empty_like(tokens)
     depths = torch.empty_like(tokens)
@@ -54,6 +68,7 @@ def step_trees_triton(
             drafted.ancestor_mask, drafted.num_nodes)))
     source = drafted if has_drafted else DDTree(tokens, parents, depths, valid, mask, num_nodes)
     drafts = draft_token_ids if draft_token_ids.numel() > 0 else num_scheduled  # never read
+    packed = packed_out if packed_out is not None else num_nodes  # never written without it
     step_trees_kernel[(num_reqs,)](
         tokens, parents, depths, valid.view(torch.uint8), mask.view(torch.uint8), num_nodes,
         source.tokens, source.parents, source.depths,
@@ -62,8 +77,12 @@ def step_trees_triton(
         num_scheduled.contiguous(),
         width, draft_token_ids.numel(),
         source.tokens.stride(0), source.ancestor_mask.stride(0), source.ancestor_mask.stride(1),
+        packed,
+        packed_out.stride(0) if packed_out is not None else 0,
+        packed_out.stride(1) if packed_out is not None else 0,
         HAS_DRAFTED=has_drafted,
         BLOCK=triton.next_power_of_2(width),
+        WORDS=words if packed_out is not None else 0,
     )
     return DDTree(tokens, parents, depths, valid, mask, num_nodes)
 
@@ -102,7 +121,7 @@ def _check_inputs(
 
 
 @triton.jit(do_not_specialize=["width", "num_drafts", "row_stride", "mask_stride_r",
-                               "mask_stride_i"])
+                               "mask_stride_i", "packed_stride_r", "packed_stride_i"])
 def step_trees_kernel(
     tokens_ptr,  # [num_reqs, width] int64 (out)
     parents_ptr,  # [num_reqs, width] int64 (out)
@@ -124,8 +143,12 @@ def step_trees_kernel(
     row_stride,  # the drafted fields' row stride
     mask_stride_r,
     mask_stride_i,
+    packed_ptr,  # [>= num_reqs, >= width, >= WORDS] int32 (out), rows of packed mask words
+    packed_stride_r,
+    packed_stride_i,
     HAS_DRAFTED: tl.constexpr,
     BLOCK: tl.constexpr,
+    WORDS: tl.constexpr,  # words per packed row; 0: no packed output
 ):
     req = tl.program_id(0)
     node = tl.arange(0, BLOCK)
@@ -158,18 +181,21 @@ def step_trees_kernel(
         tl.store(valid_ptr + out, valid.to(tl.uint8), mask=in_width)
         count = tl.sum((valid & (node > 0)).to(tl.int64), axis=0)
         tl.store(num_nodes_ptr + req, count)
-        for i in range(width):
-            mask_row = tl.load(tree_mask_ptr + row * mask_stride_r + i * mask_stride_i + node,
-                               mask=in_width, other=0)
-            tl.store(mask_ptr + (req.to(tl.int64) * width + i) * width + node, mask_row,
-                     mask=in_width)
     else:
         tl.store(tokens_ptr + out, chain_tokens, mask=in_width)
         tl.store(parents_ptr + out, tl.maximum(node - 1, 0).to(tl.int64), mask=in_width)
         tl.store(depths_ptr + out, tl.where(present, node, 0).to(tl.int64), mask=in_width)
         tl.store(valid_ptr + out, present.to(tl.uint8), mask=in_width)
         tl.store(num_nodes_ptr + req, scheduled)
-        for i in range(width):  # scheduled rows: the causal chain; the rest: {self}
+    for i in range(width):
+        if use:  # the tree's row
+            mask_row = tl.load(tree_mask_ptr + row * mask_stride_r + i * mask_stride_i + node,
+                               mask=in_width, other=0) != 0
+        else:  # scheduled rows: the causal chain; the rest: {self}
             mask_row = tl.where(i <= scheduled, (node <= i) & present, node == i)
-            tl.store(mask_ptr + (req.to(tl.int64) * width + i) * width + node,
-                     mask_row.to(tl.uint8), mask=in_width)
+        tl.store(mask_ptr + (req.to(tl.int64) * width + i) * width + node,
+                 mask_row.to(tl.uint8), mask=in_width)
+        for w in tl.static_range(WORDS):  # column j: bit j % 32 of word j // 32
+            bits = tl.where(mask_row & (node // 32 == w), 1 << (node % 32), 0)
+            tl.store(packed_ptr + req.to(tl.int64) * packed_stride_r + i * packed_stride_i + w,
+                     tl.sum(bits, axis=0))

@@ -50,7 +50,6 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
-from vllm_ddtree.attention.kv_move_triton import move_kv_slots_triton, triton_can_move
 from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.attention.triton_tree import (
     launch_tree_attention,
@@ -89,11 +88,9 @@ def move_kv_slots_layers(
     src_slots: torch.Tensor,  # [num_reqs, width] int64 flat slots, moves in depth order
     dst_slots: torch.Tensor,  # [num_reqs, width] int64
 ) -> None:
-    """Compaction's KV moves for every layer of a cache group: one Triton launch on
-    CUDA, else (or for caches that differ in layout) :func:`move_kv_slots` per layer."""
-    if triton_can_move(kv_caches):
-        move_kv_slots_triton(kv_caches, src_slots, dst_slots)
-        return
+    """Compaction's KV moves for every layer of a cache group, layer by layer with
+    :func:`move_kv_slots`: for caches the one-launch kernel cannot take
+    (kv_move_triton.compact_kv_triton, which the runner calls directly)."""
     moves = block_slot_moves(src_slots.flatten(), dst_slots.flatten(), kv_caches[0].shape[2])
     for kv_cache in kv_caches:
         move_kv_slots(kv_cache, moves)

@@ -1,23 +1,30 @@
 """Compaction's KV moves for every layer of a cache group in one launch.
 
 After the walk, each request's accepted nodes move from their verify slots to
-chain slots (vllm_ddtree/compaction.py). Done layer by layer in torch that is
-a gather and a scatter per layer, 72 launches for a 36-layer model, every
-step; here it is one launch for all layers.
+chain slots (vllm_ddtree/compaction.py): the node accepted at depth d moves
+from slot ``slot_mapping[row_start + node_d]`` to ``slot_mapping[row_start + d]``.
+Done layer by layer in torch that is a plan of some twenty small operations,
+then a gather and a scatter per layer, 72 launches for a 36-layer model, every
+step; here the kernel reads the accepted nodes and the slot mapping itself, in
+one launch for all layers.
 
-Torch twin: ``cuda.move_kv_slots`` applied to each layer (the CPU path and the
-test oracle). The caches are vLLM's CUDA layout, ``[num_blocks, num_kv_heads,
-block_size, 2 * head_size]`` per layer, separately allocated but alike in
-shape, strides and dtype; the kernel addresses layer i as the first layer's
-pointer plus a fixed element offset, computed once per set of caches.
+Torch twin: ``compaction.kv_slot_moves`` then ``cuda.move_kv_slots`` applied
+to each layer (the CPU path and the test oracle). The caches are vLLM's CUDA
+layout, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` per layer,
+separately allocated but alike in shape, strides and dtype; the kernel
+addresses layer i as the first layer's pointer plus a fixed element offset,
+computed once per set of caches.
+
+Moves the twin turns into identity moves are skipped: past the accepted path
+(node -1), rows past the slot mapping, and slots of -1 (padding).
 
 Ordering: one program per (layer, request) makes that request's moves in
 depth order. The move into depth d reads the node accepted at depth d, whose
 index is >= d, and later moves read nodes deeper still, so no move reads a
 slot an earlier move of the same request wrote: in order, each move reads the
 value from before the step, as the twin's gather-then-scatter does. Requests
-own disjoint slots; identity moves rewrite a root slot with its own value.
-Elements move as raw bits, so any 1-, 2- or 4-byte cache dtype (fp8 too) moves.
+own disjoint slots. Elements move as raw bits, so any 1-, 2- or 4-byte cache
+dtype (fp8 too) moves.
 """
 
 from __future__ import annotations
@@ -31,15 +38,30 @@ import triton.language as tl
 from vllm_ddtree.sync import to_device
 from vllm_ddtree.triton_device import triton_can_run
 
-__all__ = ["move_kv_slots_triton", "triton_can_move"]
+__all__ = ["compact_kv_triton", "element_offsets", "triton_can_move"]
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # element size -> raw view
 _offsets_cache: dict[tuple, torch.Tensor] = {}  # (device, element size, pointers) -> offsets
+_OFFSETS_CACHE_SIZE = 256  # sets of tensors remembered (KV caches never move; others may)
+# id(list) -> (the list, triton_can_move's answer): the runner passes the same
+# list of caches every step; the entry keeps the list alive, so its id stays its own.
+_can_move_memo: dict[int, tuple[Sequence[torch.Tensor], bool]] = {}
 
 
 def triton_can_move(kv_caches: Sequence[torch.Tensor]) -> bool:
     """Whether the caches fit the kernel: alike, on CUDA, rows contiguous, and each
-    an exact number of elements away from the first."""
+    an exact number of elements away from the first. Remembered per list object
+    (a list of caches passed again is not re-checked: callers must not mutate it)."""
+    memo = _can_move_memo.get(id(kv_caches))
+    if memo is not None and memo[0] is kv_caches:
+        return memo[1]
+    answer = _check_can_move(kv_caches)
+    if isinstance(kv_caches, list):
+        _can_move_memo[id(kv_caches)] = (kv_caches, answer)
+    return answer
+
+
+def _check_can_move(kv_caches: Sequence[torch.Tensor]) -> bool:
     first = kv_caches[0]
     size = first.element_size()
     return (
@@ -58,33 +80,37 @@ def triton_can_move(kv_caches: Sequence[torch.Tensor]) -> bool:
     )
 
 
-def move_kv_slots_triton(
+def compact_kv_triton(
     kv_caches: Sequence[torch.Tensor],  # per layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
-    src_slots: torch.Tensor,  # [num_reqs, width] int64, flat slot (block * block_size + offset)
-    dst_slots: torch.Tensor,  # [num_reqs, width] int64; moves of a request in depth order
+    slot_mapping: torch.Tensor,  # [num_tokens] flat slot of each verify row, -1 = padding
+    accepted_nodes: torch.Tensor,  # [num_reqs, max_depth + 1] int64, -1 past the path
+    row_start: torch.Tensor,  # [num_reqs] int64, flat row of each root
 ) -> None:
-    """cache[dst] = old cache[src] for K and V of every head of every layer, in place."""
+    """cache[slot of row_start + d] = old cache[slot of row_start + node_d] for K and V of
+    every head of every layer, in place, for each depth d >= 1 on the accepted path."""
     if not triton_can_move(kv_caches):
         raise ValueError(
-            "move_kv_slots_triton needs CUDA caches of one shape, stride and 1/2/4-byte "
+            "compact_kv_triton needs CUDA caches of one shape, stride and 1/2/4-byte "
             "dtype with contiguous rows"
         )
-    if src_slots.shape != dst_slots.shape or src_slots.dim() != 2:
+    if accepted_nodes.dim() != 2 or row_start.shape != accepted_nodes.shape[:1]:
         raise ValueError(
-            f"src_slots and dst_slots must both be [num_reqs, width], got "
-            f"{tuple(src_slots.shape)} and {tuple(dst_slots.shape)}"
+            f"accepted_nodes must be [num_reqs, max_depth + 1] and row_start [num_reqs], got "
+            f"{tuple(accepted_nodes.shape)} and {tuple(row_start.shape)}"
         )
-    num_reqs, width = src_slots.shape
-    if num_reqs == 0 or width == 0:
+    num_reqs, width = accepted_nodes.shape
+    if num_reqs == 0 or width < 2:
         return
     first = kv_caches[0]
     _, num_kv_heads, page_size, row = first.shape
     raw = first.view(_RAW[first.element_size()])
-    move_kv_slots_kernel[(len(kv_caches), num_reqs)](
+    compact_kv_kernel[(len(kv_caches), num_reqs)](
         raw,
-        _layer_offsets(kv_caches),
-        src_slots.contiguous(),
-        dst_slots.contiguous(),
+        element_offsets(kv_caches),
+        slot_mapping,
+        accepted_nodes.contiguous(),
+        row_start.contiguous(),
+        slot_mapping.shape[0],
         width,
         first.stride(0),
         first.stride(1),
@@ -97,16 +123,21 @@ def move_kv_slots_triton(
     )
 
 
-def _layer_offsets(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:  # [num_layers] int64
-    """Element offset of each layer's cache from the first, on the caches' device.
-    vLLM never moves a cache once allocated, so each set is computed once."""
-    pointers = tuple(c.data_ptr() for c in kv_caches)
-    size = kv_caches[0].element_size()
-    key = (kv_caches[0].device, size, pointers)  # offsets count elements of this size
+def element_offsets(tensors: Sequence[torch.Tensor]) -> torch.Tensor:  # [num_tensors] int64
+    """Element offset of each tensor's storage from the first's, on their device, so a
+    kernel reaches tensor i as the first's pointer plus offset i. Tensors of one
+    dtype; remembered per set of addresses (vLLM never moves a KV cache)."""
+    pointers = tuple(t.data_ptr() for t in tensors)
+    size = tensors[0].element_size()
+    key = (tensors[0].device, size, pointers)  # offsets count elements of this size
     offsets = _offsets_cache.get(key)
     if offsets is None:
+        if any((p - pointers[0]) % size for p in pointers):
+            raise ValueError("tensors must lie a whole number of elements apart")
+        if len(_offsets_cache) >= _OFFSETS_CACHE_SIZE:
+            _offsets_cache.clear()
         host = torch.tensor([(p - pointers[0]) // size for p in pointers], dtype=torch.int64)
-        offsets = _offsets_cache[key] = to_device(host, kv_caches[0].device)
+        offsets = _offsets_cache[key] = to_device(host, tensors[0].device)
     return offsets
 
 
@@ -115,12 +146,14 @@ def _layer_offsets(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:  # [num_l
 # ----------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["width"])
-def move_kv_slots_kernel(
+@triton.jit(do_not_specialize=["num_tokens", "width"])
+def compact_kv_kernel(
     cache_ptr,  # first layer's [num_blocks, num_kv_heads, PAGE_SIZE, ROW] as raw ints
     layer_offset_ptr,  # [num_layers] int64, elements from the first layer's cache
-    src_slot_ptr,  # [num_reqs, width] int64
-    dst_slot_ptr,  # [num_reqs, width] int64
+    slot_ptr,  # [num_tokens] flat slot of each row, -1 = padding
+    accepted_ptr,  # [num_reqs, width] int64, node accepted at each depth, -1 past the path
+    row_start_ptr,  # [num_reqs] int64
+    num_tokens,
     width,
     stride_block,
     stride_head,
@@ -132,17 +165,22 @@ def move_kv_slots_kernel(
     ROW_PAD: tl.constexpr,
 ):
     layer = tl.program_id(0)
-    req = tl.program_id(1)
+    req = tl.program_id(1).to(tl.int64)
     cache = cache_ptr + tl.load(layer_offset_ptr + layer)
+    start = tl.load(row_start_ptr + req)
     heads = tl.arange(0, HEADS_PAD)
     cols = tl.arange(0, ROW_PAD)
     offs = heads[:, None].to(tl.int64) * stride_head + cols[None, :]  # one slot, every head
     ok = (heads < NUM_KV_HEADS)[:, None] & (cols < ROW)[None, :]
-    for j in range(width):  # depth order: see the module docstring
-        src = tl.load(src_slot_ptr + req.to(tl.int64) * width + j)
-        dst = tl.load(dst_slot_ptr + req.to(tl.int64) * width + j)
-        if src != dst:
-            src_at = (src // PAGE_SIZE) * stride_block + (src % PAGE_SIZE) * stride_slot
-            dst_at = (dst // PAGE_SIZE) * stride_block + (dst % PAGE_SIZE) * stride_slot
-            values = tl.load(cache + src_at + offs, mask=ok)
-            tl.store(cache + dst_at + offs, values, mask=ok)
+    for d in range(1, width):  # depth order: see the module docstring
+        node = tl.load(accepted_ptr + req * width + d)
+        src_row = start + node
+        dst_row = start + d
+        if (node >= 0) & (src_row < num_tokens) & (dst_row < num_tokens):
+            src = tl.load(slot_ptr + src_row).to(tl.int64)
+            dst = tl.load(slot_ptr + dst_row).to(tl.int64)
+            if (src >= 0) & (dst >= 0) & (src != dst):
+                src_at = (src // PAGE_SIZE) * stride_block + (src % PAGE_SIZE) * stride_slot
+                dst_at = (dst // PAGE_SIZE) * stride_block + (dst % PAGE_SIZE) * stride_slot
+                values = tl.load(cache + src_at + offs, mask=ok)
+                tl.store(cache + dst_at + offs, values, mask=ok)

@@ -38,7 +38,8 @@ class TreeAttentionInfo:
     # Every query row of the batch belongs to a tree (a decode request without
     # drafts is a root-only tree): CUDA backends then skip their own kernel.
     all_rows_are_tree_rows: bool = False
-    # Made once per step by prepare_for on the metadata's device, shared by all layers.
+    # Made once per step by prepare_for on the metadata's device (or given, packed
+    # already), shared by all layers.
     packed_mask: torch.Tensor | None = None  # [num_reqs, width, ceil(width / 32)] int32
     rows: torch.Tensor | None = None  # [num_tree_rows] int64, flat query rows of the trees
     req_index: torch.Tensor | None = None  # [num_tree_reqs] int64, = tree_reqs
@@ -49,6 +50,7 @@ class TreeAttentionInfo:
     # Persistent [max_num_reqs, budget + 1, words] int32 (mask_buffer) that prepare_for
     # packs into, so a tree kernel captured in a CUDA graph reads this step's masks.
     mask_buffer: torch.Tensor | None = None
+    prepared: bool = False  # prepare_for has run
 
     @property
     def num_reqs(self) -> int:
@@ -60,22 +62,25 @@ class TreeAttentionInfo:
         return self.tree_mask.shape[1]
 
     def prepare_for(self, device: torch.device) -> None:
-        """Pack the masks (into ``mask_buffer`` when given) and, for steps in which
-        some rows are not tree rows (or on the CPU, whose backend always takes
-        that path), index the tree rows on ``device``; once per step."""
-        if self.packed_mask is not None:
+        """Pack the masks unless they came packed (into ``mask_buffer`` when given)
+        and, for steps in which some rows are not tree rows (or on the CPU, whose
+        backend always takes that path), index the tree rows on ``device``; once
+        per step."""
+        if self.prepared:
             return
-        mask = self.tree_mask
-        if mask.device.type != device.type:
-            mask = to_device(mask, device)
-        packed = pack_tree_mask(mask)
-        if self.mask_buffer is not None:
-            view = self.mask_buffer[: packed.shape[0], : packed.shape[1], : packed.shape[2]]
-            view.copy_(packed)
-            packed = view
-        self.packed_mask = packed
+        if self.packed_mask is None:
+            mask = self.tree_mask
+            if mask.device.type != device.type:
+                mask = to_device(mask, device)
+            packed = pack_tree_mask(mask)
+            if self.mask_buffer is not None:
+                view = self.mask_buffer[: packed.shape[0], : packed.shape[1], : packed.shape[2]]
+                view.copy_(packed)
+                packed = view
+            self.packed_mask = packed
         if not self.all_rows_are_tree_rows or device.type != "cuda":
             self._index_tree_rows(device)
+        self.prepared = True
 
     def _index_tree_rows(self, device: torch.device) -> None:
         reqs = torch.tensor(self.tree_reqs, dtype=torch.int64)

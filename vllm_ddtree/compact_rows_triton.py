@@ -1,0 +1,185 @@
+"""Compaction's row moves and the verify step's positions, a launch each per step.
+
+After the walk (vllm_ddtree/compaction.py), row ``row_start + d`` of the
+hidden states, the auxiliary hidden states and the token ids takes row
+``row_start + node_d``, and the positions of the sent nodes go back to chain
+order. In torch that is a plan, a gather and a scatter per tensor and a
+scatter-add for the positions, some forty small launches every step; here
+tensors of one dtype and row layout move in one launch, and the positions in
+another. Before the verify step, the tree nodes' positions (root + depth) and
+each request's root row come from one launch too.
+
+Torch twins: ``compaction.compact_rows``, ``compaction.restore_chain_positions`` and
+``compaction.tree_positions`` on their torch paths (the CPU path and the test oracle).
+
+Ordering: one program per (tensor, request) makes that request's moves in
+depth order; the move into depth d reads row ``row_start + node_d`` with
+``node_d >= d``, and later moves read deeper rows still, so no move reads a row
+an earlier one wrote, as in the twin's gather-then-scatter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_ddtree.attention.kv_move_triton import element_offsets
+from vllm_ddtree.triton_device import require_triton_device
+
+__all__ = ["compact_rows_triton", "restore_chain_positions_triton", "tree_positions_triton"]
+
+_ROW_BLOCK = 1024  # elements of a row moved per iteration
+
+
+def compact_rows_triton(
+    tensors: Sequence[torch.Tensor],  # each [num_rows, ...] with contiguous rows
+    accepted_nodes: torch.Tensor,  # [num_reqs, max_depth + 1] int64, -1 past the path
+    row_start: torch.Tensor,  # [num_reqs] int64
+) -> None:
+    """Row row_start + d of every tensor takes row row_start + node_d, in place.
+    One launch per group of tensors alike in dtype, row length and row stride."""
+    require_triton_device(accepted_nodes, "compact_rows_triton", "compaction.compact_rows")
+    num_reqs, width = accepted_nodes.shape
+    if row_start.shape != (num_reqs,):
+        raise ValueError(f"row_start must be [num_reqs] = [{num_reqs}], got {tuple(row_start.shape)}")
+    if num_reqs == 0 or width < 2 or not tensors:
+        return
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        rows = t.view(t.shape[0], -1)  # a view: rows must be contiguous (raises otherwise)
+        key = (rows.dtype, rows.shape[1], rows.stride(0), rows.shape[0])
+        groups.setdefault(key, []).append(rows)
+    accepted = accepted_nodes.contiguous()
+    start = row_start.contiguous()
+    for (_, row, row_stride, num_rows), rows in groups.items():
+        compact_rows_kernel[(len(rows), num_reqs)](
+            rows[0],
+            element_offsets(rows),
+            accepted,
+            start,
+            num_rows,
+            width,
+            row_stride,
+            ROW=row,
+            BLOCK=min(triton.next_power_of_2(row), _ROW_BLOCK),
+        )
+
+
+def restore_chain_positions_triton(
+    positions: torch.Tensor,  # [num_rows] root + depth at node rows
+    row_start: torch.Tensor,  # [num_reqs] int64
+    num_scheduled: torch.Tensor,  # [num_reqs] int64
+    width: int,  # > every num_scheduled
+) -> None:
+    """positions[row_start + i] = positions[row_start] + i for 0 < i <= num_scheduled."""
+    require_triton_device(positions, "restore_chain_positions_triton",
+                          "compaction.restore_chain_positions")
+    num_reqs = row_start.shape[0]
+    if num_scheduled.shape != (num_reqs,) or positions.dim() != 1:
+        raise ValueError(
+            f"positions must be [num_rows] and num_scheduled [num_reqs] = [{num_reqs}], got "
+            f"{tuple(positions.shape)} and {tuple(num_scheduled.shape)}"
+        )
+    if num_reqs == 0:
+        return
+    chain_positions_kernel[(num_reqs,)](
+        positions, row_start.contiguous(), num_scheduled.contiguous(),
+        BLOCK=triton.next_power_of_2(max(width, 2)),
+    )
+
+
+def tree_positions_triton(
+    positions: torch.Tensor,  # [num_rows] root + i at row start + i
+    query_start_loc: torch.Tensor,  # [num_reqs + 1]
+    num_scheduled: torch.Tensor,  # [num_reqs] int64
+    depths: torch.Tensor,  # [num_reqs, width] int64
+) -> torch.Tensor:  # [num_reqs] int64, row of each root
+    """positions[start + i] += depths[:, i] - i for 0 < i <= num_scheduled, where a
+    request's tree rows end its query rows (start = its end - num_scheduled - 1)."""
+    require_triton_device(positions, "tree_positions_triton", "compaction.tree_positions")
+    num_reqs, width = depths.shape
+    if num_scheduled.shape != (num_reqs,) or query_start_loc.shape[0] < num_reqs + 1:
+        raise ValueError(
+            f"num_scheduled must be [num_reqs] = [{num_reqs}] and query_start_loc at least "
+            f"[num_reqs + 1], got {tuple(num_scheduled.shape)} and "
+            f"{tuple(query_start_loc.shape)}"
+        )
+    row_start = torch.empty(num_reqs, dtype=torch.int64, device=positions.device)
+    if num_reqs == 0:
+        return row_start
+    tree_positions_kernel[(num_reqs,)](
+        positions, row_start, query_start_loc, num_scheduled.contiguous(), depths,
+        depths.stride(0), BLOCK=triton.next_power_of_2(max(width, 2)),
+    )
+    return row_start
+
+
+# ----------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_rows", "width"])
+def compact_rows_kernel(
+    base_ptr,  # first tensor's rows
+    offset_ptr,  # [num_tensors] int64, elements from the first tensor
+    accepted_ptr,  # [num_reqs, width] int64
+    row_start_ptr,  # [num_reqs] int64
+    num_rows,
+    width,
+    row_stride,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    tensor = tl.program_id(0)
+    req = tl.program_id(1).to(tl.int64)
+    base = base_ptr + tl.load(offset_ptr + tensor)
+    start = tl.load(row_start_ptr + req)
+    cols = tl.arange(0, BLOCK)
+    for d in range(1, width):  # depth order: see the module docstring
+        node = tl.load(accepted_ptr + req * width + d)
+        if (node > d) & (start + node < num_rows):
+            src = base + (start + node) * row_stride
+            dst = base + (start + d) * row_stride
+            for c in range(0, ROW, BLOCK):
+                ok = c + cols < ROW
+                tl.store(dst + c + cols, tl.load(src + c + cols, mask=ok), mask=ok)
+
+
+@triton.jit
+def chain_positions_kernel(
+    positions_ptr,  # [num_rows]
+    row_start_ptr,  # [num_reqs] int64
+    num_scheduled_ptr,  # [num_reqs] int64
+    BLOCK: tl.constexpr,  # >= width
+):
+    req = tl.program_id(0)
+    start = tl.load(row_start_ptr + req)
+    count = tl.load(num_scheduled_ptr + req)
+    root = tl.load(positions_ptr + start)
+    i = tl.arange(0, BLOCK)
+    tl.store(positions_ptr + start + i, root + i, mask=(i >= 1) & (i <= count))
+
+
+@triton.jit(do_not_specialize=["depth_stride"])
+def tree_positions_kernel(
+    positions_ptr,  # [num_rows]
+    row_start_ptr,  # [num_reqs] int64 (out)
+    query_start_ptr,  # [num_reqs + 1]
+    num_scheduled_ptr,  # [num_reqs] int64
+    depths_ptr,  # [num_reqs, width] int64
+    depth_stride,
+    BLOCK: tl.constexpr,  # >= width
+):
+    req = tl.program_id(0)
+    count = tl.load(num_scheduled_ptr + req)
+    start = tl.load(query_start_ptr + req + 1).to(tl.int64) - count - 1
+    tl.store(row_start_ptr + req, start)
+    i = tl.arange(0, BLOCK)
+    sent = (i >= 1) & (i <= count)
+    depth = tl.load(depths_ptr + req.to(tl.int64) * depth_stride + i, mask=sent, other=0)
+    position = tl.load(positions_ptr + start + i, mask=sent, other=0)
+    tl.store(positions_ptr + start + i, position + depth - i, mask=sent)
