@@ -31,7 +31,8 @@ Conventions (all tensors on the inputs' device; shapes depend only on
 Two implementations of the selection, with identical outputs: on CUDA the Triton kernel
 in tree_triton.py (best-first, one program per request, a handful of launches per build);
 elsewhere select_tree below, its torch twin and test oracle (depth by depth, top-B over
-int64 order keys).
+int64 order keys). Likewise the top-k's tie repair: on CUDA one Triton launch
+(topk_triton.py), elsewhere the torch path of topk_per_depth.
 """
 
 from __future__ import annotations
@@ -68,14 +69,17 @@ def build_ddtree(
     budget: int,
     topk_cap: int | None = None,
     *,
-    use_triton: bool | None = None,  # None: the Triton kernel on CUDA where it fits, else torch
+    use_triton: bool | None = None,  # None: the Triton kernels on CUDA where they fit, else torch
 ) -> DDTree:
     """Build the tree of the `budget` most probable draft prefixes for every request:
     top-K tokens per depth, then the selection and layout (Triton or its torch twin)."""
     _check_args(draft_logprobs, root_tokens, budget, topk_cap)
     _, max_depth, vocab = draft_logprobs.shape
     k = min(budget, topk_cap if topk_cap is not None else budget, vocab)
-    top_vals, top_ids = topk_per_depth(draft_logprobs.float(), k)  # [num_reqs, max_depth, k]
+    top_vals, top_ids = topk_per_depth(  # [num_reqs, max_depth, k]
+        draft_logprobs.float(), k,
+        use_triton=draft_logprobs.is_cuda if use_triton is None else use_triton,
+    )
     if use_triton is None:
         use_triton = draft_logprobs.is_cuda and _triton_fits(budget, max_depth)
     if use_triton:
@@ -88,15 +92,26 @@ def build_ddtree(
 def topk_per_depth(
     logprobs: torch.Tensor,  # [num_reqs, max_depth, vocab] float32, no NaN
     k: int,
+    *,
+    use_triton: bool | None = None,  # None: the Triton tie repair on CUDA, else torch
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k (values clamped to [LOGPROB_FLOOR, 0], ids) per depth, ordered by
     (clamped value desc, id asc); deterministic on ties.
+
+    On CUDA the tie repair below is one Triton launch that scans only the rows whose
+    ties cross the k-th slot (topk_triton.py); this torch path is its twin.
 
     One torch.topk fixes the values (clamping is monotone, so the clamped top-k values are
     the clamped raw top-k values). Every token whose clamped value beats the k-th value v is
     in any top-k; only the ids tied with v are topk's free choice. The m lowest tied ids are
     the first m hits of a cumsum of (clamped value == v) over the vocabulary, found by
     searchsorted. Finally each run of equal values is ordered by id."""
+    if use_triton is None:
+        use_triton = logprobs.is_cuda
+    if use_triton:
+        from vllm_ddtree.topk_triton import topk_per_depth_triton
+
+        return topk_per_depth_triton(logprobs, k, LOGPROB_FLOOR)
     num_reqs, max_depth, vocab = logprobs.shape
     raw_vals, ids = logprobs.topk(k, dim=-1)  # values sorted descending
     vals = raw_vals.clamp(LOGPROB_FLOOR, 0.0)

@@ -1,0 +1,54 @@
+"""vllm_ddtree/topk_triton.py against its torch twin, tree.topk_per_depth on torch.
+
+Inputs are built to tie: values drawn from a handful of levels (so runs of equal
+values cross the k-th slot), many copies of the value near rank k, zero-probability
+(-inf) and clamp-edge entries, vocabularies that are not a multiple of the scan
+block, and k from 1 to the whole vocabulary. Values and ids must match exactly. Run
+on the CPU through Triton's interpreter with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_tree import clamp_edge_logprobs
+from tests.triton_utils import DEVICE, needs_kernel
+from vllm_ddtree.tree import topk_per_depth
+
+pytestmark = [pytest.mark.gpu, needs_kernel]
+
+
+def tied_logprobs(num_reqs: int, depth: int, vocab: int, k: int, gen: torch.Generator):
+    lp = torch.randn(num_reqs, depth, vocab, generator=gen)
+    lp[0] = torch.randint(-4, 1, (depth, vocab), generator=gen).float()  # few levels
+    near_k = lp[1:].topk(max(1, k // 2), dim=-1).values[..., -1:]
+    copies = max(1, vocab // 4)
+    where = torch.randint(0, vocab, (num_reqs - 1, depth, copies), generator=gen)
+    lp[1:].scatter_(2, where, near_k.expand(-1, -1, copies))
+    lp[-1, 0] = clamp_edge_logprobs(1, 1, vocab, gen)[0, 0]  # -inf, -0.0, huge, tiny
+    lp[-1, -1, : vocab // 2] = float("-inf")  # many tokens of zero probability
+    return lp
+
+
+@pytest.mark.parametrize("vocab,k", [
+    (1, 1), (5, 1), (5, 4), (5, 5), (40, 7), (300, 16), (1500, 1), (1500, 64), (2100, 33),
+])
+def test_kernel_matches_torch(vocab: int, k: int):
+    gen = torch.Generator().manual_seed(vocab * 7 + k)
+    lp = tied_logprobs(3, 4, vocab, k, gen)
+    want_vals, want_ids = topk_per_depth(lp, k, use_triton=False)
+    got_vals, got_ids = topk_per_depth(lp.to(DEVICE), k, use_triton=True)
+    assert torch.equal(got_vals.cpu(), want_vals)
+    assert torch.equal(got_ids.cpu(), want_ids)
+    assert got_vals.is_contiguous() and got_ids.is_contiguous()
+
+
+def test_rows_without_crossing_ties_are_left_to_the_sort():
+    """A row whose ties stay inside the top-k needs no scan; its tied ids still come
+    out ascending."""
+    lp = torch.full((1, 1, 10), -5.0)
+    lp[0, 0, [7, 2, 9]] = -1.0  # three tied tokens, all in the top 3; the 4th is lower
+    vals, ids = topk_per_depth(lp.to(DEVICE), 3, use_triton=True)
+    assert ids.cpu().tolist() == [[[2, 7, 9]]]
+    assert vals.cpu().tolist() == [[[-1.0, -1.0, -1.0]]]
