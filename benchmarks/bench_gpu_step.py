@@ -313,7 +313,30 @@ def step_estimate(short: Sample, long: Sample, batch: int, speculative: bool) ->
     tok = 1 + d_acc / d_drafts if speculative and d_drafts > 0 else 1.0
     return {"steps": d_steps, "ms_per_step": ms, "tokens_per_step": tok,
             "ms_per_token": ms / tok,
-            "ms_per_iteration": 1e3 * d_s / d_iter if d_iter > 0 else float("nan")}
+            "ms_per_iteration": 1e3 * d_s / d_iter if d_iter > 0 else float("nan"),
+            # The long call's own mean per step (its prefill included): a sound pair's
+            # estimate stays near it, so one far below says the short call carried a
+            # one-time cost (see measure_batch).
+            "long_mean_ms": 1e3 * long.seconds / steps(long) if steps(long) > 0
+            else float("nan")}
+
+
+SUSPECT_FRACTION = 0.5  # an estimate under this share of the long call's mean is suspect
+
+
+def suspect_pairs(estimates: list[dict]) -> str | None:
+    """A note naming the pairs whose estimate is under SUSPECT_FRACTION of their long
+    call's mean step time (or not a number), else None."""
+    bad = [i for i, e in enumerate(estimates)
+           if not e["ms_per_step"] >= SUSPECT_FRACTION * e["long_mean_ms"]]
+    if not bad:
+        return None
+    worst = min(bad, key=lambda i: estimates[i]["ms_per_step"]
+                if not math.isnan(estimates[i]["ms_per_step"]) else -math.inf)
+    e = estimates[worst]
+    return (f"suspect: {len(bad)} of {len(estimates)} pairs estimate under "
+            f"{SUSPECT_FRACTION:.0%} of the long call's mean step "
+            f"({e['ms_per_step']:.3f} vs {e['long_mean_ms']:.3f} ms)")
 
 
 def measure_batch(run_call: Callable[[list[dict], int], Sample], run: EngineRun, batch: int,
@@ -334,6 +357,10 @@ def measure_batch(run_call: Callable[[list[dict], int], Sample], run: EngineRun,
     row["steps_per_pair"] = estimates[0]["steps"]
     row["estimates"] = estimates
     row["samples"] = [[asdict(s), asdict(lg)] for s, lg in pairs]
+    note = suspect_pairs(estimates)
+    if note:
+        row["suspect"] = note
+        log(f"    warning: {note}")
     if row["steps_per_pair"] < 16:
         log(f"    warning: only {row['steps_per_pair']:.1f} steps between the two lengths "
             "(high acceptance?): raise --long-len")
@@ -539,7 +566,7 @@ def step_table(records: list[dict]) -> str:
                          f"| {fmt(row.get('tokens_per_step'), '.2f')} "
                          f"| {fmt(row.get('ms_per_token'), '.3f')} "
                          f"| {fmt(row.get('x_plain'), '.2f')} | {fmt(row.get('x_chain'), '.2f')} "
-                         f"| {short_error(row.get('error'))} |")
+                         f"| {short_error(row.get('error')) or row.get('suspect', '')} |")
     return "\n".join(lines)
 
 

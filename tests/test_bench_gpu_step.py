@@ -1,0 +1,40 @@
+"""benchmarks/bench_gpu_step.py's step estimate from (short, long) generate calls, and
+its flag on pairs whose estimate cannot be a step time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_gpu_step as bench
+
+
+def sample(tokens: int, seconds: float) -> bench.Sample:
+    """A DDTree call at batch 1 with nothing accepted: one draft per token."""
+    return bench.Sample(max_tokens=tokens, seconds=seconds, tokens=tokens, drafts=tokens - 1,
+                        accepted=0, iterations=tokens)
+
+
+def measure(pairs):
+    calls = iter([p for pair in [(sample(16, 0.2), sample(16, 0.2))] + pairs for p in pair])
+    run = bench.EngineRun("v1", "ddtree", 16)
+    args = SimpleNamespace(short_len=16, long_len=48, repeats=len(pairs), prompt_len=8)
+    return bench.measure_batch(lambda prompts, n: next(calls), run, 1, args)
+
+
+def test_sound_pairs_give_the_step_time_and_no_flag():
+    row = measure([(sample(16, 0.20), sample(48, 0.52)), (sample(16, 0.21), sample(48, 0.53))])
+    assert abs(row["ms_per_step"] - 10.0) < 1e-6  # 0.32 s over 32 more steps
+    assert "suspect" not in row
+
+
+def test_a_one_time_cost_in_the_short_call_is_flagged():
+    """The H200 run of 2026-11-30: 0.510 s for 16 tokens, 0.515 s for 48."""
+    row = measure([(sample(16, 0.5095), sample(48, 0.5145))])
+    assert row["ms_per_step"] < 1.0
+    assert row["suspect"].startswith("suspect: 1 of 1 pairs")
+    assert "suspect" in bench.step_table([{"runner": "v1", "method": "ddtree", "budget": 16,
+                                           "error": None, "rows": [row]}])
