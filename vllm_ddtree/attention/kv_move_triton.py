@@ -8,8 +8,8 @@ then a gather and a scatter per layer, 72 launches for a 36-layer model, every
 step; here the kernel reads the accepted nodes and the slot mapping itself, in
 one launch for all layers.
 
-Torch twin: ``compaction.kv_slot_moves`` then ``cuda.move_kv_slots`` applied
-to each layer (the CPU path and the test oracle). The caches are vLLM's CUDA
+Torch twin: ``compaction.plan_rows`` and ``compaction.plan_slots``, then
+``cuda.move_kv_slots`` applied to each layer (the CPU path and the test oracle). The caches are vLLM's CUDA
 layout, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` per layer,
 separately allocated but alike in shape, strides and dtype; the kernel
 addresses layer i as the first layer's pointer plus a fixed element offset,
@@ -126,7 +126,9 @@ def compact_kv_triton(
 def element_offsets(tensors: Sequence[torch.Tensor]) -> torch.Tensor:  # [num_tensors] int64
     """Element offset of each tensor's storage from the first's, on their device, so a
     kernel reaches tensor i as the first's pointer plus offset i. Tensors of one
-    dtype; remembered per set of addresses (vLLM never moves a KV cache)."""
+    dtype; remembered per set of addresses (vLLM never moves a KV cache; hidden
+    states come from a few addresses), up to _OFFSETS_CACHE_SIZE sets, then
+    forgotten all at once."""
     pointers = tuple(t.data_ptr() for t in tensors)
     size = tensors[0].element_size()
     key = (tensors[0].device, size, pointers)  # offsets count elements of this size
