@@ -11,8 +11,9 @@ per node): the chain comes from the flat draft list (node i > 0 is draft i - 1 o
 the request), the drafted row from the drafter's last trees; one comparison over the
 scheduled nodes decides which the request uses. Then the per-node fields are stored
 and the ancestor mask is written row by row (the tree's rows, or the chain's
-lower triangle over the scheduled nodes with {self} for the rest).
-Bool tensors travel as uint8.
+lower triangle over the scheduled nodes with {self} for the rest), each row also
+packed into 32-bit words when the caller passes a buffer (the attention kernel's
+input, so no separate packing pass runs). Bool tensors travel as uint8.
 """
 
 from __future__ import annotations
