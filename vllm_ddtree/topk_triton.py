@@ -1,8 +1,9 @@
 """Deterministic top-k per depth on CUDA: the tie repair in one Triton launch.
 
-Same outputs as ``tree.topk_per_depth`` on its torch path (the CPU path and the test
-oracle), which defines the rule: the top-k of the clamped log-probabilities, ordered by
-(value descending, token id ascending), ties at the k-th value keeping the lowest ids.
+``tree.topk_per_depth`` calls it on CUDA; its torch twin, ``tree._repair_ties``, is
+the CPU path and the test oracle. The rule: the top-k of the clamped log-probabilities,
+ordered by (value descending, token id ascending), ties at the k-th value keeping the
+lowest ids.
 
 torch.topk may keep any of the tokens tied at the k-th value. The torch path repairs
 that with a pass over the whole vocabulary of every row (compare, cumulative sum,
@@ -11,8 +12,8 @@ vocabulary). Here one torch.topk takes k + 1 values: a row needs repair only whe
 (k + 1)-th clamped value equals the k-th, since otherwise every token of that value is
 already among the k. Rows that need none return at once; the others scan the
 vocabulary for the lowest ids of that value (one program per row, stopping its work
-once it has them). Ordering inside runs of equal values stays with torch, as in the
-torch path.
+once it has them). The top-k itself and the ordering inside runs of equal values
+stay in tree.topk_per_depth, shared by both paths.
 """
 
 from __future__ import annotations
@@ -23,36 +24,32 @@ import triton.language as tl
 
 from vllm_ddtree.triton_device import require_triton_device
 
-__all__ = ["topk_per_depth_triton"]
+__all__ = ["repair_ties_triton"]
 
 _VOCAB_BLOCK = 1024  # vocabulary entries scanned per iteration
 
 
-def topk_per_depth_triton(
+def repair_ties_triton(
     logprobs: torch.Tensor,  # [num_reqs, max_depth, vocab] float32, no NaN
-    k: int,
+    vals: torch.Tensor,  # [num_reqs, max_depth, k + 1] clamped top values, descending
+    ids: torch.Tensor,  # [num_reqs, max_depth, k + 1] their ids from torch.topk (rewritten)
+    run_start: torch.Tensor,  # [num_reqs, max_depth, k] first slot of each slot's value
     floor: float,  # clamp bounds [floor, 0], as tree.LOGPROB_FLOOR
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) as tree.topk_per_depth: [num_reqs, max_depth, k] each."""
-    require_triton_device(logprobs, "topk_per_depth_triton", "tree.topk_per_depth")
+) -> None:
+    """In place: where the (k + 1)-th value ties the k-th, the slots tied at the k-th
+    value take the lowest tied ids, ascending (tree._repair_ties' Triton twin). With
+    k = vocab (no (k + 1)-th value) every id is already there: nothing to do."""
+    require_triton_device(logprobs, "repair_ties_triton", "tree.topk_per_depth")
     num_reqs, max_depth, vocab = logprobs.shape
-    if not 1 <= k <= vocab:
-        raise ValueError(f"k must be in [1, vocab = {vocab}], got {k}")
-    rows = logprobs.contiguous()
-    taken = min(k + 1, vocab)
-    raw_vals, ids = rows.topk(taken, dim=-1)  # values descending
-    vals = raw_vals.clamp(floor, 0.0)
-    neg = -vals[..., :k]  # ascending
-    run_start = torch.searchsorted(neg, neg)  # first slot holding each slot's value
-    if taken > k and num_reqs * max_depth > 0:
-        repair_ties_kernel[(num_reqs * max_depth,)](
-            rows, vals, ids, run_start, vocab, floor,
-            K=k, TAKEN=taken, BLOCK=min(triton.next_power_of_2(vocab), _VOCAB_BLOCK),
-        )
-    vals, ids = vals[..., :k].contiguous(), ids[..., :k]
-    # Inside a run of equal values, ids ascending: sort (run start, id) keys; runs stay put.
-    base = run_start * vocab
-    return vals, ids.add(base).sort(dim=-1).values.sub_(base)
+    k = run_start.shape[-1]
+    if vals.shape[-1] != k + 1 or num_reqs * max_depth == 0:
+        return
+    if not (vals.is_contiguous() and ids.is_contiguous() and run_start.is_contiguous()):
+        raise ValueError("vals, ids and run_start must be contiguous")
+    repair_ties_kernel[(num_reqs * max_depth,)](
+        logprobs.contiguous(), vals, ids, run_start, vocab, floor,
+        K=k, TAKEN=k + 1, BLOCK=min(triton.next_power_of_2(vocab), _VOCAB_BLOCK),
+    )
 
 
 @triton.jit(do_not_specialize=["vocab", "floor"])

@@ -98,25 +98,45 @@ def topk_per_depth(
     """Top-k (values clamped to [LOGPROB_FLOOR, 0], ids) per depth, ordered by
     (clamped value desc, id asc); deterministic on ties.
 
-    On CUDA the tie repair below is one Triton launch that scans only the rows whose
-    ties cross the k-th slot (topk_triton.py); this torch path is its twin.
-
     One torch.topk fixes the values (clamping is monotone, so the clamped top-k values are
     the clamped raw top-k values). Every token whose clamped value beats the k-th value v is
-    in any top-k; only the ids tied with v are topk's free choice. The m lowest tied ids are
-    the first m hits of a cumsum of (clamped value == v) over the vocabulary, found by
-    searchsorted. Finally each run of equal values is ordered by id."""
+    in any top-k; only the ids tied with v are topk's free choice, and the lowest of them
+    must be kept (the tie repair). Finally each run of equal values is ordered by id.
+
+    The repair, on CUDA: one Triton launch in which only rows whose ties cross the k-th
+    slot scan the vocabulary (topk_triton.py; topk takes k + 1 values to tell). Elsewhere,
+    its torch twin below: the m lowest tied ids are the first m hits of a cumsum of
+    (clamped value == v) over the vocabulary, found by searchsorted."""
     if use_triton is None:
         use_triton = logprobs.is_cuda
-    if use_triton:
-        from vllm_ddtree.topk_triton import topk_per_depth_triton
-
-        return topk_per_depth_triton(logprobs, k, LOGPROB_FLOOR)
-    num_reqs, max_depth, vocab = logprobs.shape
-    raw_vals, ids = logprobs.topk(k, dim=-1)  # values sorted descending
+    vocab = logprobs.shape[-1]
+    taken = min(k + 1, vocab) if use_triton else k
+    raw_vals, ids = logprobs.topk(taken, dim=-1)  # values sorted descending
     vals = raw_vals.clamp(LOGPROB_FLOOR, 0.0)
-    neg = -vals  # ascending
+    neg = -vals[..., :k]  # ascending
     run_start = torch.searchsorted(neg, neg)  # first slot holding each slot's value
+    if use_triton:
+        from vllm_ddtree.topk_triton import repair_ties_triton
+
+        repair_ties_triton(logprobs, vals, ids, run_start, LOGPROB_FLOOR)
+        vals, ids = vals[..., :k].contiguous(), ids[..., :k]
+    else:
+        ids = _repair_ties(logprobs, vals, ids, run_start)
+    # Inside a run of equal values, ids ascending: sort (run start, id) keys; runs stay put.
+    base = run_start * vocab
+    return vals, ids.add(base).sort(dim=-1).values.sub_(base)
+
+
+def _repair_ties(
+    logprobs: torch.Tensor,  # [num_reqs, max_depth, vocab] float32
+    vals: torch.Tensor,  # [num_reqs, max_depth, k] clamped top values, descending
+    ids: torch.Tensor,  # [num_reqs, max_depth, k] their ids from torch.topk
+    run_start: torch.Tensor,  # [num_reqs, max_depth, k] first slot of each slot's value
+) -> torch.Tensor:
+    """ids with the slots tied at the k-th value holding the lowest tied ids, ascending
+    (the torch twin of topk_triton.repair_ties_triton)."""
+    num_reqs, max_depth, vocab = logprobs.shape
+    k = vals.shape[-1]
     tie_start = run_start[..., k - 1 :]  # [num_reqs, max_depth, 1]: slots >= this hold v
     kth = vals[..., k - 1 :]
     slot = torch.arange(1, k + 1, device=logprobs.device, dtype=torch.int32)
@@ -129,10 +149,7 @@ def topk_per_depth(
         torch.eq(rows, kth[:, d : d + step], out=hits).cumsum_(-1)  # no bool -> int copy
         tied.append(torch.searchsorted(hits, hit_rank[:, d : d + step].contiguous()))
     tied_ids = tied[0] if len(tied) == 1 else torch.cat(tied, dim=1)
-    ids = torch.where(slot > tie_start, tied_ids, ids)
-    # Inside a run of equal values, ids ascending: sort (run start, id) keys; runs stay put.
-    base = run_start * vocab
-    return vals, ids.add_(base).sort(dim=-1).values.sub_(base)
+    return torch.where(slot > tie_start, tied_ids, ids)
 
 
 def select_tree(
