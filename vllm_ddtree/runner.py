@@ -21,11 +21,11 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_ddtree.attention.kv_move_triton import compact_kv_triton, triton_can_move
-from vllm_ddtree.attention.reference import BITS_PER_WORD
 from vllm_ddtree.attention.state import (
     TreeAttentionInfo,
     causal_attention_info,
     mask_buffer,
+    packed_view,
 )
 from vllm_ddtree.compaction import (
     compact_rows,
@@ -146,7 +146,7 @@ def begin_verify_step(
         num_rows=torch.where(has_tree, num_draft + 1, 0),
         tree_reqs=torch.nonzero(has_tree).flatten().tolist(),
         all_rows_are_tree_rows=bool((query_lens == num_draft + 1).all()),
-        packed_mask=state.mask_buffer[:num_reqs, :width, : -(-width // BITS_PER_WORD)],
+        packed_mask=packed_view(state.mask_buffer, num_reqs, width),
         mask_buffer=state.mask_buffer,
     )
 

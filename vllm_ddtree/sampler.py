@@ -171,9 +171,9 @@ def step_trees(
         tree = select_trees(drafted, index, tree, num_scheduled)
     if packed_out is not None:
         from vllm_ddtree.attention.reference import pack_tree_mask
+        from vllm_ddtree.attention.state import packed_view
 
-        packed = pack_tree_mask(tree.ancestor_mask)
-        packed_out[: packed.shape[0], : packed.shape[1], : packed.shape[2]].copy_(packed)
+        packed_view(packed_out, *tree.tokens.shape).copy_(pack_tree_mask(tree.ancestor_mask))
     return tree
 
 

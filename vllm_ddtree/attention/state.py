@@ -74,9 +74,8 @@ class TreeAttentionInfo:
                 mask = to_device(mask, device)
             packed = pack_tree_mask(mask)
             if self.mask_buffer is not None:
-                view = self.mask_buffer[: packed.shape[0], : packed.shape[1], : packed.shape[2]]
-                view.copy_(packed)
-                packed = view
+                view = packed_view(self.mask_buffer, packed.shape[0], packed.shape[1])
+                packed = view.copy_(packed)
             self.packed_mask = packed
         if not self.all_rows_are_tree_rows or device.type != "cuda":
             self._index_tree_rows(device)
@@ -100,6 +99,12 @@ def mask_buffer(max_num_reqs: int, width: int, device: torch.device) -> torch.Te
     packed masks are written into: a captured tree kernel reads its masks from here."""
     words = -(-width // BITS_PER_WORD)
     return torch.zeros(max_num_reqs, width, words, dtype=torch.int32, device=device)
+
+
+def packed_view(buffer: torch.Tensor, num_reqs: int, width: int) -> torch.Tensor:
+    """The ``[num_reqs, width, ceil(width / 32)]`` corner of a mask buffer that holds
+    a step's packed masks (pack_tree_mask's layout)."""
+    return buffer[:num_reqs, :width, : -(-width // BITS_PER_WORD)]
 
 
 def causal_attention_info(
