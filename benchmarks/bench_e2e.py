@@ -7,6 +7,7 @@ ratios to non-speculative decoding and to the chain, measured side by side.
 
     python benchmarks/bench_e2e.py --target DIR --drafter DIR      # full matrix
     python benchmarks/bench_e2e.py --quick                         # CI-sized run
+    python benchmarks/bench_e2e.py --render results/e2e_h200.json  # table + plot again
 
 Without --target/--drafter it uses the SmolLM2 pair when the trained drafter
 is in models/, else tiny models it builds. Writes JSON (and a PNG plot when
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", type=Path, default=None)
     p.add_argument("--drafter", type=Path, default=None)
+    p.add_argument("--pair", choices=("auto", "real", "tiny"), default="auto",
+                   help="without --target/--drafter: the SmolLM2 pair (real), tiny random "
+                        "models built here (tiny), or real when its drafter is in models/")
+    p.add_argument("--methods", default="plain,chain,ddtree",
+                   help="comma list of plain, chain, ddtree")
     p.add_argument("--quick", action="store_true", help="a few configs, for CI")
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--caps", type=str, nargs="+", default=["1", "2", "4", "none"])
@@ -48,14 +55,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "CPU backend needs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                    help="vLLM's memory share (on the CPU backend it sizes CPU memory)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed generations per row; tokens/s from the median time")
+    p.add_argument("--jit-monitor-verbose", action="store_true",
+                   help="vLLM logs every Triton JIT compile during inference")
     p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    p.add_argument("--render", type=Path, default=None, metavar="JSON",
+                   help="print the table of an earlier run's JSON and write its plot "
+                        "beside it; runs nothing")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - {"plain", "chain", "ddtree"})
+    if unknown or not args.methods:
+        p.error(f"--methods takes plain, chain, ddtree; got {args.methods}")
+    return args
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
     if args.target and args.drafter:
         return args.target, args.drafter
-    if (TRAINED_DRAFTER / "config.json").exists():
+    if args.pair == "real" or (args.pair == "auto"
+                               and (TRAINED_DRAFTER / "config.json").exists()):
         from vllm_ddtree.real_models import make_smollm2
 
         return make_smollm2(), TRAINED_DRAFTER
@@ -73,13 +95,14 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
 
 def methods(args: argparse.Namespace, drafter: Path) -> list[tuple[str, dict | None]]:
     block = json.loads((drafter / "config.json").read_text())["block_size"]
-    out: list[tuple[str, dict | None]] = [
-        ("plain", None),
-        ("chain", {"method": "dflash", "model": str(drafter),
-                   "num_speculative_tokens": block - 1}),
-    ]
+    out: list[tuple[str, dict | None]] = []
+    if "plain" in args.methods:
+        out.append(("plain", None))
+    if "chain" in args.methods:
+        out.append(("chain", {"method": "dflash", "model": str(drafter),
+                              "num_speculative_tokens": block - 1}))
     budgets, caps = (args.budgets, args.caps) if not args.quick else ([8], ["4"])
-    for budget in budgets:
+    for budget in budgets if "ddtree" in args.methods else []:
         for cap in caps:
             out.append((f"ddtree-b{budget}-k{cap}", {
                 "method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
@@ -102,7 +125,8 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace) -> l
     llm = LLM(model=str(target), speculative_config=config, dtype=args.dtype,
               enforce_eager=not args.graphs,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024,
-              disable_log_stats=False, seed=0)
+              disable_log_stats=False, seed=0,
+              **({"jit_monitor_verbose": True} if args.jit_monitor_verbose else {}))
     prompts = [llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         for text in PROMPTS.values()]
@@ -112,14 +136,22 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace) -> l
             params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
                                     ignore_eos=True, seed=0)
             batch_prompts = (prompts * 2)[:batch]
-            llm.generate(batch_prompts[:1], params, use_tqdm=False)  # warm-up
+            # Warm-up at the timed batch: kernels meet this batch's shapes (and compile
+            # any variant they lack) before the clock starts.
+            llm.generate(batch_prompts, params, use_tqdm=False)
             before = spec_counters(llm)
-            start = time.perf_counter()
-            outputs = llm.generate(batch_prompts, params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                outputs = llm.generate(batch_prompts, params, use_tqdm=False)
+                times.append(time.perf_counter() - start)
             after = spec_counters(llm)
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            rows.append(summarize(before, after, tokens, elapsed, temperature, batch))
+            row = summarize(before, after, tokens * args.repeats,
+                            statistics.median(times) * args.repeats, temperature, batch)
+            row["tokens"], row["seconds"] = tokens, statistics.median(times)
+            row["seconds_each"] = [round(t, 6) for t in times]
+            rows.append(row)
     llm.llm_engine.engine_core.shutdown()
     return rows
 
@@ -141,18 +173,25 @@ def summarize(before, after, tokens, elapsed, temperature, batch) -> dict:
 
 
 def print_table(results: dict[str, list[dict]]) -> None:
-    base = {(r["temperature"], r["batch"]): r for r in results["plain"]}
+    base = {(r["temperature"], r["batch"]): r for r in results.get("plain", [])}
     chain = {(r["temperature"], r["batch"]): r for r in results.get("chain", [])}
     print(f"{'method':<18}{'T':>4}{'batch':>6}{'tau':>7}{'tok/s':>9}"
           f"{'x plain':>9}{'x chain':>9}  per-depth acceptance")
     for name, rows in results.items():
         for r in rows:
             key = (r["temperature"], r["batch"])
-            vs_plain = r["tok_per_s"] / base[key]["tok_per_s"]
+            vs_plain = r["tok_per_s"] / base[key]["tok_per_s"] if key in base else float("nan")
             vs_chain = r["tok_per_s"] / chain[key]["tok_per_s"] if key in chain else float("nan")
             depths = " ".join(f"{x:.2f}" for x in r["accept_rate_per_depth"][:8])
+            each = r.get("seconds_each") or []
+            # Slowest over fastest timed repeat: far above 1 means the repeats disagree.
+            spread = f"  (repeats x{max(each) / min(each):.2f})" if len(each) > 1 else ""
             print(f"{name:<18}{r['temperature']:>4.1f}{r['batch']:>6}{r['tau']:>7.2f}"
-                  f"{r['tok_per_s']:>9.1f}{vs_plain:>9.2f}{vs_chain:>9.2f}  {depths}")
+                  f"{r['tok_per_s']:>9.1f}{vs_plain:>9.2f}{vs_chain:>9.2f}  {depths}{spread}")
+
+
+def greedy_batch1(rows: list[dict]) -> dict | None:
+    return next((r for r in rows if r["temperature"] == 0.0 and r["batch"] == 1), None)
 
 
 def plot(results: dict[str, list[dict]], path: Path) -> bool:
@@ -167,17 +206,17 @@ def plot(results: dict[str, list[dict]], path: Path) -> bool:
     for cap in sorted({n.split("-k")[1] for n in results if n.startswith("ddtree")}):
         names = sorted((n for n in results if n.endswith(f"-k{cap}")),
                        key=lambda n: int(n.split("-b")[1].split("-")[0]))
-        budgets = [int(n.split("-b")[1].split("-")[0]) for n in names]
+        points = [(int(n.split("-b")[1].split("-")[0]), greedy_batch1(results[n]))
+                  for n in names]
+        points = [(budget, r) for budget, r in points if r is not None]
         for ax, field in zip(axes, ("tau", "tok_per_s")):
-            ys = [next(r[field] for r in results[n]
-                       if r["temperature"] == 0.0 and r["batch"] == 1) for n in names]
-            ax.plot(budgets, ys, marker="o", label=f"DDTree top-k cap {cap}")
+            ax.plot([b for b, _ in points], [r[field] for _, r in points], marker="o",
+                    label=f"DDTree top-k cap {cap}")
     for ax, field in zip(axes, ("tau", "tok_per_s")):
         for ref, color in (("chain", "grey"), ("plain", "black")):
-            if ref in results:
-                y = next(r[field] for r in results[ref]
-                         if r["temperature"] == 0.0 and r["batch"] == 1)
-                ax.axhline(y, linestyle="--", color=color, label=ref)
+            r = greedy_batch1(results.get(ref, []))
+            if r is not None:
+                ax.axhline(r[field], linestyle="--", color=color, label=ref)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget")
         ax.set_ylabel(field)
@@ -188,21 +227,37 @@ def plot(results: dict[str, list[dict]], path: Path) -> bool:
     return True
 
 
+def render(path: Path) -> dict:
+    """Table and plot of a results file (a run cut short keeps the methods it finished)."""
+    results = json.loads(path.read_text())["results"]
+    print_table(results)
+    png = path.with_suffix(".png")
+    print(f"[bench] wrote {png}" if plot(results, png)
+          else "[bench] install matplotlib for the plot")
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.render:
+        return render(args.render)
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     target, drafter = resolve_models(args)
     print(f"[bench] target {target}\n[bench] drafter {drafter}", flush=True)
     results: dict[str, list[dict]] = {}
-    for name, config in methods(args, drafter):
-        print(f"[bench] {name} ...", flush=True)
-        results[name] = run_method(target, config, args)
-    print_table(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = args.out or RESULTS / f"e2e_{args.device_name}{'_quick' if args.quick else ''}"
-    Path(f"{stem}.json").write_text(json.dumps(
-        {"target": str(target), "drafter": str(drafter), "max_tokens": args.max_tokens,
-         "dtype": args.dtype, "graphs": args.graphs, "results": results}, indent=1))
+    for name, config in methods(args, drafter):
+        print(f"[bench] {name} ...", flush=True)
+        start = time.perf_counter()
+        results[name] = run_method(target, config, args)
+        print(f"[bench] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
+        # Written after every method, so a run cut short keeps what it measured.
+        Path(f"{stem}.json").write_text(json.dumps(
+            {"target": str(target), "drafter": str(drafter), "max_tokens": args.max_tokens,
+             "dtype": args.dtype, "graphs": args.graphs, "repeats": args.repeats,
+             "results": results}, indent=1))
+    print_table(results)
     if plot(results, Path(f"{stem}.png")):
         print(f"[bench] wrote {stem}.json and {stem}.png")
     else:

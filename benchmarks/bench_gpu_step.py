@@ -39,7 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -211,9 +211,10 @@ def guess_step_ms(run: EngineRun, batch: int, runner_factor: float = 1.0) -> flo
 
 
 def print_plan(runs: list[EngineRun], drafter: Path, args: argparse.Namespace) -> None:
-    steps = (2 + args.repeats) * args.short_len + args.repeats * args.long_len
+    steps = (1 + args.repeats) * (args.short_len + args.long_len)
     log(f"plan: {len(runs)} engines x batches {args.batches}; per batch 2 warm-ups "
-        f"({args.short_len} tokens) + {args.repeats} x ({args.short_len}, {args.long_len}) "
+        f"({args.short_len}, {args.long_len} tokens) + {args.repeats} x "
+        f"({args.short_len}, {args.long_len}) "
         f"tokens; prompt {args.prompt_len} tokens, max_model_len {args.max_model_len}, "
         f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")
     total_s = 0.0
@@ -345,9 +346,12 @@ def measure_batch(run_call: Callable[[list[dict], int], Sample], run: EngineRun,
     # Warm-up: first use of this batch's shapes, and it fills the prefix cache so both
     # timed calls prefill the same (cached) way; a second call runs that cached path
     # once untimed (its first use once cost a one-time 0.35 s in the short call of a
-    # DDTree pair, which the difference of the pair turned into a step time of ~0).
+    # DDTree pair, which the difference of the pair turned into a step time of ~0), as
+    # long as the long call, so every context length the timed calls reach has met the
+    # kernels once (a kernel variant first compiled inside a timed call made a batch-32
+    # DDTree pair negative).
     run_call(prompts, args.short_len)
-    run_call(prompts, args.short_len)
+    run_call(prompts, args.long_len)
     pairs = [(run_call(prompts, args.short_len), run_call(prompts, args.long_len))
              for _ in range(args.repeats)]
     estimates = [step_estimate(s, lg, batch, run.speculative) for s, lg in pairs]

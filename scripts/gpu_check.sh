@@ -9,7 +9,7 @@
 # SmolLM2 target converted from its GGUF, whose first chunk an earlier warm call
 # stashed with `KIT_DEST=/root/gguf bash training/device_run.sh stash` and whose
 # second chunk, checksum and gguf wheel (.dflash_kit/, training/device_kit.sh) this
-# call carries.
+# call carries. With E2E_PAIR=tiny it runs on tiny random models built there instead.
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -40,7 +40,13 @@ if [ "$what" = profile ]; then
     | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG" | tail -150
   rc=${PIPESTATUS[0]}; echo "profile exit code: $rc"
 fi
-if [ "$what" = e2e ]; then
+if [ "$what" = e2e ] && [ "${E2E_PAIR:-real}" = tiny ]; then
+  # Tiny random pair built on the device: no GGUF needed (E2E_PAIR=tiny).
+  timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/bench_e2e.py --pair tiny --graphs \
+    --dtype bfloat16 --device-name h200 --out "$out/e2e_h200_tiny" ${E2E_ARGS:-} 2>&1 \
+    | tee "$out/e2e.log" | grep -v "^INFO\|^(EngineCore" | tail -40
+  rc=${PIPESTATUS[0]}; echo "e2e exit code: $rc"
+elif [ "$what" = e2e ]; then
   gdir=/root/gguf; gguf=$gdir/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p "$gdir"
   [ -f "$gguf" ] || { cp .dflash_kit/part_* "$gdir"/ && cat "$gdir"/part_a? > "$gguf"; }
   (cd "$gdir" && sha256sum -c "$OLDPWD/.dflash_kit/SHA256SUMS") || exit 3

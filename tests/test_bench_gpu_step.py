@@ -18,11 +18,23 @@ def sample(tokens: int, seconds: float) -> bench.Sample:
                         accepted=0, iterations=tokens)
 
 
-def measure(pairs):
-    calls = iter([p for pair in [(sample(16, 0.2), sample(16, 0.2))] + pairs for p in pair])
+def measure(pairs, lengths=None):
+    calls = iter([p for pair in [(sample(16, 0.2), sample(48, 0.5))] + pairs for p in pair])
     run = bench.EngineRun("v1", "ddtree", 16)
     args = SimpleNamespace(short_len=16, long_len=48, repeats=len(pairs), prompt_len=8)
-    return bench.measure_batch(lambda prompts, n: next(calls), run, 1, args)
+
+    def run_call(prompts, n):
+        if lengths is not None:
+            lengths.append(n)
+        return next(calls)
+
+    return bench.measure_batch(run_call, run, 1, args)
+
+
+def test_warm_ups_reach_the_long_calls_length_before_timing():
+    lengths = []
+    measure([(sample(16, 0.20), sample(48, 0.52))], lengths)
+    assert lengths == [16, 48, 16, 48]  # two untimed calls (short, long), then the pair
 
 
 def test_sound_pairs_give_the_step_time_and_no_flag():

@@ -1,0 +1,76 @@
+"""benchmarks/bench_e2e.py without engines: method selection, its argument errors, and
+the table and plot it renders from a results file (the H200 run is rendered this way,
+since its call ended before the script's own table)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_e2e as bench
+
+
+def row(temperature: float, batch: int, tau: float, tok_per_s: float,
+        seconds_each: list[float] | None = None) -> dict:
+    r = {"temperature": temperature, "batch": batch, "tokens": 64, "seconds": 64 / tok_per_s,
+         "tok_per_s": tok_per_s, "steps": round(64 / tau), "tau": tau,
+         "accept_rate_per_depth": [0.5, 0.25]}
+    if seconds_each is not None:
+        r["seconds_each"] = seconds_each
+    return r
+
+
+def test_methods_follow_the_methods_option(tmp_path):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
+    args = bench.parse_args(["--methods", "chain,ddtree", "--budgets", "16", "32",
+                             "--caps", "4", "none"])
+    names = [name for name, _ in bench.methods(args, drafter)]
+    assert names == ["chain", "ddtree-b16-k4", "ddtree-b16-knone", "ddtree-b32-k4",
+                     "ddtree-b32-knone"]
+    configs = dict(bench.methods(args, drafter))
+    assert configs["chain"]["num_speculative_tokens"] == 7  # block size - 1
+    assert configs["ddtree-b32-knone"]["ddtree_topk_cap"] is None
+    only_plain = bench.parse_args(["--methods", "plain"])
+    assert [name for name, _ in bench.methods(only_plain, drafter)] == ["plain"]
+
+
+@pytest.mark.parametrize("argv", [["--methods", "ddtree,medusa"], ["--methods", ","],
+                                  ["--repeats", "0"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert "--methods" in capsys.readouterr().err or "--repeats" in " ".join(argv)
+
+
+def test_render_prints_ratios_from_the_results_file(tmp_path, capsys):
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"results": {
+        "plain": [row(0.0, 1, 1.0, 400.0)],
+        "chain": [row(0.0, 1, 4.0, 1000.0)],
+        "ddtree-b16-k4": [row(0.0, 1, 5.0, 700.0, seconds_each=[0.2, 0.1, 0.1])],
+    }}))
+    results = bench.main(["--render", str(path)])
+    assert set(results) == {"plain", "chain", "ddtree-b16-k4"}
+    lines = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("plain", "chain", "ddtree"))}
+    assert lines["ddtree-b16-k4"][3:7] == ["5.00", "700.0", "1.75", "0.70"]  # tau, tok/s, x plain, x chain
+    assert lines["chain"][5:7] == ["2.50", "1.00"]
+    assert "(repeats" in " ".join(lines["ddtree-b16-k4"])  # the slowest repeat took 2x the fastest
+    assert "x2.00)" in lines["ddtree-b16-k4"]
+    assert "(repeats" not in " ".join(lines["chain"])
+
+
+def test_render_without_plain_or_chain_rows(tmp_path, capsys):
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps({"results": {"ddtree-b16-k4": [row(1.0, 8, 1.5, 900.0)]}}))
+    bench.main(["--render", str(path)])
+    fields = next(line.split() for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("ddtree"))
+    assert fields[5:7] == ["nan", "nan"]
