@@ -1,0 +1,77 @@
+"""The READMEs against the repository: every results file and image they cite exists,
+and the figures of the real pair's tables are the ones in the results files."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BENCH_README = (ROOT / "benchmarks" / "README.md").read_text()
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def results_rows(name: str) -> dict[str, list[dict]]:
+    return json.loads((RESULTS / name).read_text())["results"]
+
+
+def greedy(rows: list[dict], batch: int) -> dict:
+    return next(r for r in rows if r["temperature"] == 0.0 and r["batch"] == batch)
+
+
+def block_after(text: str, heading_line: str) -> list[list[str]]:
+    """Rows of the fenced block that starts with ``heading_line``, split on spaces."""
+    start = text.index(heading_line)
+    body = text[start:text.index("```", start)]
+    return [line.split() for line in body.splitlines()[1:] if line.strip()]
+
+
+@pytest.mark.parametrize("doc,base", [(README, ROOT), (BENCH_README, ROOT / "benchmarks")])
+def test_cited_results_files_exist(doc, base):
+    cited = set(re.findall(r"(?:benchmarks/)?results/[\w.\-]+\.(?:json|png|txt|log)", doc))
+    assert cited, "no results file cited"
+    missing = [p for p in cited
+               if not ((ROOT / p).exists() if p.startswith("benchmarks/") else (base / p).exists())]
+    assert not missing, f"cited but not in the repository: {missing}"
+
+
+def test_readme_shows_both_end_to_end_plots():
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README)
+    assert "benchmarks/results/e2e_cpu.png" in images
+    assert "benchmarks/results/e2e_h200.png" in images
+    assert all((ROOT / image).exists() for image in images)
+
+
+def test_readme_tau_table_is_the_results_files():
+    cpu, gpu = results_rows("e2e_cpu.json"), results_rows("e2e_h200.json")
+    rows = block_after(README, "                   CPU, float32")[1:]  # skip the column line
+    assert rows, "the real pair's tau table is missing"
+    for name, *cells in rows:
+        values = [None if c == "-" else float(c) for c in cells]
+        expected = [round(greedy(cpu[name], 1)["tau"], 2), round(greedy(cpu[name], 8)["tau"], 2)]
+        if name in gpu:
+            expected += [round(greedy(gpu[name], 1)["tau"], 2),
+                         round(greedy(gpu[name], 8)["tau"], 2)]
+        else:
+            expected += [None, None]
+        assert values == expected, name
+
+
+def test_readme_h200_speed_table_is_the_results_file():
+    gpu = results_rows("e2e_h200.json")
+    repeats = json.loads((RESULTS / "e2e_h200.json").read_text()).get("repeats", 1)
+    rows = block_after(README, "method          tau    tok/s   x plain   x chain")
+    assert {r[0] for r in rows} == {"plain", "chain", "ddtree-b16-k4", "ddtree-b32-k4"}
+    plain, chain = greedy(gpu["plain"], 1), greedy(gpu["chain"], 1)
+    for name, tau, tok_s, x_plain, x_chain, ms in rows:
+        r = greedy(gpu[name], 1)
+        steps = r["steps"] / repeats if r["steps"] else r["tokens"]  # the file's steps span the repeats
+        assert float(tau) == round(r["tau"], 2), name
+        assert int(tok_s) == round(r["tok_per_s"]), name
+        assert float(x_plain) == round(r["tok_per_s"] / plain["tok_per_s"], 2), name
+        assert float(x_chain) == round(r["tok_per_s"] / chain["tok_per_s"], 2), name
+        assert float(ms) == round(1e3 * r["seconds"] / steps, 1), name
