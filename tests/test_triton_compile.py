@@ -10,11 +10,13 @@ with, through Triton's CUDA back end to PTX and then ptxas, which ships with Tri
 from __future__ import annotations
 
 import pytest
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from vllm_ddtree.attention.kv_move_triton import compact_kv_kernel
+from vllm_ddtree.attention.triton_tree import tree_attention_kernel
 from vllm_ddtree.compact_rows_triton import (
     chain_positions_kernel,
     compact_rows_kernel,
@@ -95,3 +97,42 @@ def test_kernel_compiles_for_sm90(name: str):
         raise
     assert ".entry" in compiled.asm["ptx"]
     assert compiled.asm.get("cubin")  # ptxas ran
+
+
+# ----------------------------------------------------------------------------------
+# One compiled variant per engine, whatever the batch's parity
+# ----------------------------------------------------------------------------------
+
+
+def specialization(kernel, overrides: dict) -> list:
+    """Triton's specialization key of a launch (the part of its cache key that the
+    arguments decide) for int64 CPU tensors, ints and the given overrides."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import create_function_from_signature
+
+    buf = torch.zeros(64, dtype=torch.int64)
+    args = []
+    for p in kernel.params:
+        if p.name in overrides:
+            args.append(overrides[p.name])
+        elif p.is_constexpr:
+            args.append(1)
+        else:
+            args.append(buf[:8] if p.name.endswith("_ptr") else 17)
+    binder = create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+    return binder(*args)[1]
+
+
+@pytest.mark.parametrize("kernel,metadata", [
+    (step_trees_kernel, ["index_ptr", "drafts_ptr", "cu_drafts_ptr", "num_scheduled_ptr"]),
+    (tree_attention_kernel, ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"]),
+])
+def test_per_request_metadata_alignment_compiles_no_new_variant(kernel, metadata):
+    """The step's tree index is row 1 of a [2, num_reqs] int64 copy: 16-byte aligned
+    for an even batch, not for an odd one. An H200 run logged step_trees_kernel
+    compiling a second variant when the batch went from 1 to 8."""
+    for num_reqs in (1, 2, 3, 8):
+        host = torch.zeros(2, num_reqs, dtype=torch.int64)
+        odd = {name: host[1] for name in metadata}  # what begin_verify_step passes
+        even = {name: host[0] for name in metadata}
+        assert specialization(kernel, odd) == specialization(kernel, even), num_reqs

@@ -121,8 +121,13 @@ def _check_inputs(
 # ----------------------------------------------------------------------------------
 
 
+# Per-request metadata may start anywhere in a shared buffer (the tree index is the second
+# row of a [2, num_reqs] copy, 16-byte aligned only for an even batch): no alignment
+# specialization for them, so the batch's parity never compiles a second variant.
 @triton.jit(do_not_specialize=["width", "num_drafts", "row_stride", "mask_stride_r",
-                               "mask_stride_i", "packed_stride_r", "packed_stride_i"])
+                               "mask_stride_i", "packed_stride_r", "packed_stride_i"],
+            do_not_specialize_on_alignment=["index_ptr", "drafts_ptr", "cu_drafts_ptr",
+                                            "num_scheduled_ptr"])
 def step_trees_kernel(
     tokens_ptr,  # [num_reqs, width] int64 (out)
     parents_ptr,  # [num_reqs, width] int64 (out)

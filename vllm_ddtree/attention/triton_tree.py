@@ -146,7 +146,10 @@ def merge_splits(
         "block_table_stride",
         "mask_stride_r",
         "mask_stride_q",
-    ]
+    ],
+    # Per-request metadata: read one value at a time, so alignment buys nothing, and a
+    # slice of it starting mid-buffer would otherwise compile a second variant.
+    do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"],
 )
 def tree_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
