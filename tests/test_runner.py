@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_ddtree import runner as ddtree_runner
 from vllm_ddtree.attention import cuda
+from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.runner import (
     _kv_groups,
     capture_attention_info,
@@ -119,3 +121,33 @@ def test_kv_groups_are_found_once_by_cache_group_and_backend():
     assert [g.layer_names for g in groups] == [names[:2], names[2:4]]
     assert all(len(g.kv_caches) == len(g.layer_names) and not g.fused for g in groups)
     assert _kv_groups(runner) is groups  # found once
+
+
+def test_runner_logs_a_failed_warm_up_and_goes_on(monkeypatch):
+    """Compiling ahead is an optimization: a failure is reported, start-up continues."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(ddtree_runner, "warm_up_step_kernels", broken)
+    monkeypatch.setattr(ddtree_runner, "_kv_groups", lambda runner: [])
+    messages = []
+    monkeypatch.setattr(ddtree_runner.logger, "warning",
+                        lambda msg, *args: messages.append(msg % args))
+    ddtree = DDTreeConfig(budget=4, topk_cap=None, block_size=8, vocab_size=50)
+    fake = SimpleNamespace(
+        ddtree_state=SimpleNamespace(ddtree=ddtree, mask_buffer=None),
+        device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16,
+        model_config=SimpleNamespace(get_hidden_size=lambda: 32),
+    )
+    ddtree_runner.warm_up_kernels(fake)
+    assert len(messages) == 1 and "no compiler" in messages[0]
+
+
+def test_runner_warms_up_only_ddtree_engines_on_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ddtree_runner, "warm_up_step_kernels", lambda *a: calls.append(a))
+    ddtree_runner.warm_up_kernels(SimpleNamespace(ddtree_state=None,
+                                                  device=SimpleNamespace(type="cuda")))
+    cpu = SimpleNamespace(ddtree_state=SimpleNamespace(), device=SimpleNamespace(type="cpu"))
+    ddtree_runner.warm_up_kernels(cpu)
+    assert calls == []

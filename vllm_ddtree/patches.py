@@ -176,6 +176,7 @@ def _patch_model_runner() -> None:
     def initialize_kv_cache(self, *args, **kwargs):
         orig_init_kv(self, *args, **kwargs)
         ddtree_runner.check_tree_backends(self)
+        ddtree_runner.warm_up_kernels(self)
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
         result = orig_prepare(self, scheduler_output, *args, **kwargs)

@@ -14,6 +14,7 @@ vLLM's V1 model runner drives the step; the plugin steps in at four points
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, step_trees
 from vllm_ddtree.sync import to_device
 from vllm_ddtree.tree import DDTree
+from vllm_ddtree.warmup import warm_up_step_kernels
 
 if TYPE_CHECKING:
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -250,6 +252,29 @@ def check_tree_backends(runner: GPUModelRunner) -> None:
         return
     for _ in _target_kv_layers(runner):
         pass
+
+
+def warm_up_kernels(runner: GPUModelRunner) -> None:
+    """At start-up on CUDA (KV caches bound, before graph capture): compile the step's
+    Triton kernels now rather than during the first requests (vllm_ddtree/warmup.py)."""
+    state: DDTreeRunnerState | None = getattr(runner, "ddtree_state", None)
+    if state is None or runner.device.type != "cuda":
+        return
+    start = time.perf_counter()
+    state.kv_groups = None  # the caches were just (re)bound: find the groups anew
+    try:
+        warm_up_step_kernels(
+            state.ddtree, runner.device, runner.model_config.get_hidden_size(), runner.dtype,
+            [group.kv_caches for group in _kv_groups(runner) if group.fused],
+            state.mask_buffer,
+        )
+    except Exception as exc:  # noqa: BLE001 (compiling ahead is an optimization: go on)
+        logger.warning(
+            "DDTree kernel warm-up failed (%s: %s); the step kernels will compile at "
+            "their first use instead.", type(exc).__name__, exc,
+        )
+        return
+    logger.info("DDTree step kernels warmed up in %.1f s.", time.perf_counter() - start)
 
 
 def record_drafted_trees(runner: GPUModelRunner) -> None:

@@ -1,0 +1,85 @@
+"""vllm_ddtree/warmup.py: the start-up warm-up launches every step kernel in the
+variants a DDTree step uses, and leaves the KV caches as they were. Run on the CPU
+through Triton's interpreter (``TRITON_INTERPRET=1``), or on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_kv_move_triton import make_caches
+from tests.triton_utils import DEVICE, needs_kernel
+from vllm_ddtree import warmup
+from vllm_ddtree.attention.state import mask_buffer
+from vllm_ddtree.config import DDTreeConfig
+
+pytestmark = [pytest.mark.gpu, needs_kernel]
+
+KERNELS = {  # module: kernel names the warm-up must launch
+    "vllm_ddtree.topk_triton": ["repair_ties_kernel"],
+    "vllm_ddtree.tree_triton": ["select_tree_kernel"],
+    "vllm_ddtree.step_tree_triton": ["step_trees_kernel"],
+    "vllm_ddtree.compact_rows_triton": ["compact_rows_kernel", "chain_positions_kernel",
+                                        "tree_positions_kernel"],
+    "vllm_ddtree.verify_triton": ["walk_tree_kernel"],
+    "vllm_ddtree.attention.kv_move_triton": ["compact_kv_kernel"],
+}
+
+
+class Recorder:
+    """Stands in for a kernel: records each launch's compile-time constants, then launches."""
+
+    def __init__(self, name: str, kernel, launches: list):
+        self.name, self.kernel, self.launches = name, kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.name, tuple(sorted(kwargs.items()))))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    import importlib
+
+    seen: list = []
+    for module_name, names in KERNELS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            monkeypatch.setattr(module, name, Recorder(name, getattr(module, name), seen))
+    return seen
+
+
+@pytest.mark.parametrize("budget,topk_cap,block_size", [(16, 4, 8), (7, None, 16), (1, 1, 4)])
+def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, topk_cap,
+                                                             block_size):
+    ddtree = DDTreeConfig(budget=budget, topk_cap=topk_cap, block_size=block_size,
+                          vocab_size=300)
+    gen = torch.Generator().manual_seed(0)
+    groups = [make_caches(3, 4, 2, 16, 64, torch.bfloat16, gen),
+              make_caches(2, 4, 1, 16, 32, torch.float16, gen)]
+    before = [[c.clone() for c in caches] for caches in groups]
+    buffer = mask_buffer(4, ddtree.verify_width, torch.device(DEVICE))
+
+    warmup.warm_up_step_kernels(ddtree, torch.device(DEVICE), 48, torch.bfloat16, groups,
+                                buffer)
+
+    names = {name for name, _ in launches}
+    assert names == {name for names in KERNELS.values() for name in names}
+    step_trees = {dict(kw)["HAS_DRAFTED"]: dict(kw) for name, kw in launches
+                  if name == "step_trees_kernel"}
+    assert set(step_trees) == {False, True}  # the first decode step and a tree step
+    assert step_trees[True]["BLOCK"] == triton_block(ddtree.verify_width)
+    assert step_trees[True]["WORDS"] == 1  # masks packed into the runner's buffer
+    rows = {dict(kw)["ROW"] for name, kw in launches if name == "compact_rows_kernel"}
+    assert rows == {48, 1}  # hidden states and token ids
+    assert sum(name == "compact_kv_kernel" for name, _ in launches) == 2 * len(groups)
+    for caches, saved in zip(groups, before):
+        for cache, old in zip(caches, saved):
+            assert torch.equal(cache.view(torch.int16), old.view(torch.int16))
+
+
+def triton_block(width: int) -> int:
+    return 1 << (width - 1).bit_length()

@@ -1,0 +1,88 @@
+"""Start-up warm-up of the DDTree step's Triton kernels.
+
+Triton compiles a kernel the first time it is launched with a new set of compile-time
+constants and argument specializations. Left alone, a fresh machine compiles about ten
+of the plugin's kernels during its first DDTree requests (vLLM's JIT monitor warns of
+each), a pause of several seconds. At start-up, once the KV caches exist and before
+vLLM captures its CUDA graphs, ``warm_up_step_kernels`` runs one scripted step through
+every step kernel at the engine's shapes: the tree build (top-k tie repair, tree
+selection), the step's trees (with and without drafted trees, the masks packed into
+the runner's mask buffer), positions, the walk and the compaction of KV, rows and
+positions. The step accepts only its roots, so the compaction moves nothing: the KV
+caches are read and left as they were.
+
+Tree attention is not warmed here: vLLM's capture of the full verify graphs launches
+it. Variants met later (a step of another width, tree attention split over the KV at a
+small batch and long context) still compile at first use; Triton keeps every compiled
+kernel on disk, so each costs once per machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm_ddtree.attention.kv_move_triton import compact_kv_triton
+from vllm_ddtree.compact_rows_triton import (
+    compact_rows_triton,
+    restore_chain_positions_triton,
+    tree_positions_triton,
+)
+from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.step_tree_triton import step_trees_triton
+from vllm_ddtree.tree import build_ddtree
+from vllm_ddtree.verify_triton import walk_tree_triton
+
+__all__ = ["warm_up_step_kernels"]
+
+
+def warm_up_step_kernels(
+    ddtree: DDTreeConfig,
+    device: torch.device,
+    hidden_size: int,
+    hidden_dtype: torch.dtype,
+    kv_cache_groups: Sequence[Sequence[torch.Tensor]],  # per group, its layers' caches
+    mask_buffer: torch.Tensor,  # [max_num_reqs, budget + 1, words] int32, the runner's
+) -> None:
+    """Scripted DDTree steps of batch 1 through every step kernel (module docstring):
+    the first decode step after a prefill (no drafts yet: width 1, chains only), then a
+    step verifying a full drafted tree."""
+    i64 = {"dtype": torch.int64, "device": device}
+    # Draft: the drafter's per-depth log-probabilities, then the tree (top-k, selection).
+    # A generator of its own: the warm-up leaves the engine's random state alone.
+    gen = torch.Generator(device=device).manual_seed(0)
+    logprobs = torch.log_softmax(torch.randn(1, ddtree.max_depth, ddtree.vocab_size,
+                                             generator=gen, device=device), dim=-1)
+    # As the drafter builds it on CUDA (Triton where it fits); elsewhere (Triton's
+    # interpreter, in the tests) the Triton path too.
+    tree = build_ddtree(logprobs, torch.zeros(1, **i64), ddtree.budget, ddtree.topk_cap,
+                        use_triton=None if device.type == "cuda" else True)
+    for drafted in (None, tree):
+        num_drafts = ddtree.budget if drafted is not None else 0
+        width = num_drafts + 1
+        # As begin_verify_step sends them: counts and tree index in one [2, num_reqs] copy.
+        host = torch.tensor([[num_drafts], [0]], **i64)
+        num_scheduled, index = host[0], host[1]
+        drafts = tree.tokens[0, 1:width].to(torch.int32)
+        cu_drafts = torch.tensor([num_drafts], dtype=torch.int32, device=device)
+        step = step_trees_triton(drafted, index if drafted is not None else None, drafts,
+                                 cu_drafts, num_scheduled, width, packed_out=mask_buffer)
+        positions = torch.arange(width, **i64)
+        query_start = torch.tensor([0, width], dtype=torch.int32, device=device)
+        row_start = tree_positions_triton(positions, query_start, num_scheduled, step.depths)
+
+        # Walk: target tokens that no node carries, so only the root is accepted.
+        walk = walk_tree_triton(step, torch.full((1, width), -1, **i64), ddtree.max_depth)
+        accepted = walk.accepted_nodes
+        if not (bool((accepted[:, 0] == 0).all()) and bool((accepted[:, 1:] < 0).all())):
+            raise RuntimeError(f"the warm-up's walk accepted more than its root: {accepted}")
+
+        # Compaction of a root-only path: nothing moves, the caches are only read.
+        slots = torch.arange(width, **i64)
+        for caches in kv_cache_groups:
+            compact_kv_triton(caches, slots, accepted, row_start)
+        hidden = torch.zeros(width, hidden_size, dtype=hidden_dtype, device=device)
+        token_ids = torch.zeros(width, dtype=torch.int32, device=device)
+        compact_rows_triton([hidden, token_ids], accepted, row_start)
+        restore_chain_positions_triton(positions, row_start, num_scheduled, width)
