@@ -151,3 +151,24 @@ def test_runner_warms_up_only_ddtree_engines_on_cuda(monkeypatch):
     cpu = SimpleNamespace(ddtree_state=SimpleNamespace(), device=SimpleNamespace(type="cpu"))
     ddtree_runner.warm_up_kernels(cpu)
     assert calls == []
+
+
+def test_runner_warms_up_every_target_layer_shape(monkeypatch):
+    steps, attention = [], []
+    monkeypatch.setattr(ddtree_runner, "warm_up_step_kernels", lambda *a: steps.append(a))
+    monkeypatch.setattr(ddtree_runner, "warm_up_tree_attention", lambda *a: attention.append(a))
+    runner = fake_runner({f"model.layers.{i}.attn": cuda.DDTreeTritonAttentionBackend
+                          for i in range(2)}, draft_layers=["model.layers.1.attn"])
+    for i, layer in enumerate(runner.compilation_config.static_forward_context.values()):
+        layer.impl = SimpleNamespace(num_heads=4 + i, head_size=8, scale=0.5)
+    ddtree = DDTreeConfig(budget=4, topk_cap=None, block_size=8, vocab_size=50)
+    runner.ddtree_state = SimpleNamespace(ddtree=ddtree, kv_groups=None,
+                                          mask_buffer=torch.zeros(2, 5, 1, dtype=torch.int32))
+    runner.device = SimpleNamespace(type="cuda")
+    runner.dtype = torch.bfloat16
+    runner.model_config = SimpleNamespace(get_hidden_size=lambda: 32)
+    ddtree_runner.warm_up_kernels(runner)
+    assert len(steps) == 1 and steps[0][2:4] == (32, torch.bfloat16)
+    (layers, dtype, width, packed), = attention
+    assert [(s.num_heads, s.head_size, s.scale) for s in layers] == [(4, 8, 0.5)]  # target only
+    assert (dtype, width, tuple(packed.shape)) == (torch.bfloat16, 5, (1, 5, 1))

@@ -83,3 +83,25 @@ def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, to
 
 def triton_block(width: int) -> int:
     return 1 << (width - 1).bit_length()
+
+
+def test_tree_attention_warm_up_runs_both_split_variants_and_reads_only(monkeypatch):
+    from vllm_ddtree.attention import triton_tree
+
+    seen: list = []
+    for name in ("tree_attention_kernel", "merge_splits_kernel"):
+        monkeypatch.setattr(triton_tree, name, Recorder(name, getattr(triton_tree, name), seen))
+    gen = torch.Generator().manual_seed(1)
+    caches = make_caches(2, 3, 2, 16, 2 * 32, torch.bfloat16, gen)
+    before = [c.clone() for c in caches]
+    width = 9
+    layers = [warmup.AttentionShape(4, 32, 32 ** -0.5, cache) for cache in caches]
+    buffer = mask_buffer(2, width, torch.device(DEVICE))
+
+    warmup.warm_up_tree_attention(layers, torch.bfloat16, width, buffer[:1])
+
+    splits = [dict(kw)["SPLIT"] for name, kw in seen if name == "tree_attention_kernel"]
+    assert splits == [False, True]  # alike layers: one shape, warmed once per variant
+    assert sum(name == "merge_splits_kernel" for name, _ in seen) == 1
+    for cache, old in zip(caches, before):
+        assert torch.equal(cache.view(torch.int16), old.view(torch.int16))

@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                             ignore_eos=True)
-    engine = dict(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.25,
-                  max_model_len=512, disable_log_stats=False)
+    engine = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.25,
+              "max_model_len": 512, "disable_log_stats": False}
     print("[demo] reference: plain greedy decoding", flush=True)
     llm = LLM(model=str(target), **engine)
     prompts = PROMPTS

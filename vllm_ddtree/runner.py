@@ -39,7 +39,11 @@ from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, step_trees
 from vllm_ddtree.sync import to_device
 from vllm_ddtree.tree import DDTree
-from vllm_ddtree.warmup import warm_up_step_kernels
+from vllm_ddtree.warmup import (
+    AttentionShape,
+    warm_up_step_kernels,
+    warm_up_tree_attention,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -267,6 +271,14 @@ def warm_up_kernels(runner: GPUModelRunner) -> None:
             state.ddtree, runner.device, runner.model_config.get_hidden_size(), runner.dtype,
             [group.kv_caches for group in _kv_groups(runner) if group.fused],
             state.mask_buffer,
+        )
+        context = runner.compilation_config.static_forward_context
+        warm_up_tree_attention(
+            [AttentionShape(impl.num_heads, impl.head_size, impl.scale, kv_cache)
+             for name, kv_cache, _ in _target_kv_layers(runner)
+             for impl in [context[name].impl]],
+            runner.dtype, state.ddtree.verify_width,
+            packed_view(state.mask_buffer, 1, state.ddtree.verify_width),
         )
     except Exception as exc:  # noqa: BLE001 (compiling ahead is an optimization: go on)
         logger.warning(

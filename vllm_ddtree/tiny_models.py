@@ -62,8 +62,14 @@ def make_tokenizer(path: str | Path, vocab_size: int = 1024, seed: int = 0) -> P
     Special tokens take ids 0..4 (pad, bos, eos, ``<|im_start|>``, ``<|mask|>``);
     reserved special tokens fill the vocabulary up if the corpus runs out of merges.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from tokenizers import trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 300:

@@ -11,19 +11,24 @@ the runner's mask buffer), positions, the walk and the compaction of KV, rows an
 positions. The step accepts only its roots, so the compaction moves nothing: the KV
 caches are read and left as they were.
 
-Tree attention is not warmed here: vLLM's capture of the full verify graphs launches
-it. Variants met later (a step of another width, tree attention split over the KV at a
-small batch and long context) still compile at first use; Triton keeps every compiled
-kernel on disk, so each costs once per machine.
+``warm_up_tree_attention`` then launches the tree-attention kernel once per distinct
+layer shape without and with a split of the keys (and the merge of the splits), on a
+scratch query over the real caches, which it only reads. vLLM's graph capture runs it
+too, but over contexts too short to split. Variants met later (a step of another
+width, say) still compile at first use; Triton keeps every compiled kernel on disk,
+so each costs once per machine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from vllm_ddtree.attention.kv_move_triton import compact_kv_triton
+from vllm_ddtree.attention.tree_attention_plan import MIN_SPLIT_KEYS
+from vllm_ddtree.attention.triton_tree import tree_attention_triton
 from vllm_ddtree.compact_rows_triton import (
     compact_rows_triton,
     restore_chain_positions_triton,
@@ -34,7 +39,17 @@ from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.tree import build_ddtree
 from vllm_ddtree.verify_triton import walk_tree_triton
 
-__all__ = ["warm_up_step_kernels"]
+__all__ = ["AttentionShape", "warm_up_step_kernels", "warm_up_tree_attention"]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A target attention layer, as the tree kernel sees it."""
+
+    num_heads: int
+    head_size: int
+    scale: float
+    kv_cache: torch.Tensor  # [num_blocks, num_kv_heads, block_size, 2 * head_size]
 
 
 def warm_up_step_kernels(
@@ -86,3 +101,34 @@ def warm_up_step_kernels(
         token_ids = torch.zeros(width, dtype=torch.int32, device=device)
         compact_rows_triton([hidden, token_ids], accepted, row_start)
         restore_chain_positions_triton(positions, row_start, num_scheduled, width)
+
+
+def warm_up_tree_attention(
+    layers: Sequence[AttentionShape],
+    dtype: torch.dtype,  # the query's (the model's) dtype
+    width: int,  # budget + 1 query rows
+    packed_mask: torch.Tensor,  # [1, width, words] int32, the runner's mask buffer corner
+) -> None:
+    """The tree kernel without and with a split of the keys, for each distinct layer
+    shape: one request of ``width`` rows over a context long enough to split, all its
+    pages the cache's first page. Only the scratch query's output is written."""
+    from vllm_ddtree.attention.cuda import split_kv_cache  # CUDA backends only
+
+    seen: set[tuple] = set()
+    for layer in layers:
+        key = (layer.num_heads, layer.head_size, tuple(layer.kv_cache.shape),
+               layer.kv_cache.stride(), layer.kv_cache.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        key_cache, value_cache = split_kv_cache(layer.kv_cache)
+        device, page = layer.kv_cache.device, key_cache.shape[1]
+        seq_len = 2 * MIN_SPLIT_KEYS + width
+        block_table = torch.zeros(1, -(-seq_len // page), dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        query_start = torch.tensor([0, width], dtype=torch.int32, device=device)
+        query = torch.zeros(width, layer.num_heads, layer.head_size, dtype=dtype, device=device)
+        for num_splits in (1, 2):
+            tree_attention_triton(query, key_cache, value_cache, block_table, seq_lens,
+                                  query_start, packed_mask, layer.scale, max_query_len=width,
+                                  max_seq_len=seq_len, num_splits=num_splits)
