@@ -267,15 +267,16 @@ def warm_up_kernels(runner: GPUModelRunner) -> None:
     start = time.perf_counter()
     state.kv_groups = None  # the caches were just (re)bound: find the groups anew
     try:
+        groups = _kv_groups(runner)
         warm_up_step_kernels(
             state.ddtree, runner.device, runner.model_config.get_hidden_size(), runner.dtype,
-            [group.kv_caches for group in _kv_groups(runner) if group.fused],
-            state.mask_buffer,
+            [group.kv_caches for group in groups if group.fused], state.mask_buffer,
         )
         context = runner.compilation_config.static_forward_context
         warm_up_tree_attention(
             [AttentionShape(impl.num_heads, impl.head_size, impl.scale, kv_cache)
-             for name, kv_cache, _ in _target_kv_layers(runner)
+             for group in groups
+             for name, kv_cache in zip(group.layer_names, group.kv_caches)
              for impl in [context[name].impl]],
             runner.dtype, state.ddtree.verify_width,
             packed_view(state.mask_buffer, 1, state.ddtree.verify_width),
