@@ -147,11 +147,8 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace) -> l
                 times.append(time.perf_counter() - start)
             after = spec_counters(llm)
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            row = summarize(before, after, tokens * args.repeats,
-                            statistics.median(times) * args.repeats, temperature, batch)
-            # Per timed call (tau and tokens/s above are the same over all repeats).
-            row["tokens"], row["seconds"] = tokens, statistics.median(times)
-            row["steps"] = row["steps"] / args.repeats
+            row = summarize(before, after, tokens, statistics.median(times), temperature, batch)
+            row["steps"] /= args.repeats  # the counters span every timed call
             row["seconds_each"] = [round(t, 6) for t in times]
             rows.append(row)
     llm.llm_engine.engine_core.shutdown()

@@ -40,23 +40,23 @@ if [ "$what" = profile ]; then
     | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG" | tail -150
   rc=${PIPESTATUS[0]}; echo "profile exit code: $rc"
 fi
-if [ "$what" = e2e ] && [ "${E2E_PAIR:-real}" = tiny ]; then
-  # Tiny random pair built on the device: no GGUF needed (E2E_PAIR=tiny).
-  timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/bench_e2e.py --pair tiny --graphs \
-    --dtype bfloat16 --device-name h200 --out "$out/e2e_h200_tiny" ${E2E_ARGS:-} 2>&1 \
-    | tee "$out/e2e.log" | grep -v "^INFO\|^(EngineCore" | tail -40
-  rc=${PIPESTATUS[0]}; echo "e2e exit code: $rc"
-elif [ "$what" = e2e ]; then
-  gdir=/root/gguf; gguf=$gdir/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p "$gdir"
-  [ -f "$gguf" ] || { cp .dflash_kit/part_* "$gdir"/ && cat "$gdir"/part_a? > "$gguf"; }
-  (cd "$gdir" && sha256sum -c "$OLDPWD/.dflash_kit/SHA256SUMS") || exit 3
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
-    .dflash_kit/gguf-*.whl || exit 1
-  target=$(python3 -c "from vllm_ddtree.real_models import make_smollm2 as m; \
+if [ "$what" = e2e ]; then
+  if [ "${E2E_PAIR:-real}" = tiny ]; then
+    # Tiny random pair built on the device: no GGUF needed.
+    pair="--pair tiny"; stem=e2e_h200_tiny
+  else
+    gdir=/root/gguf; gguf=$gdir/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p "$gdir"
+    [ -f "$gguf" ] || { cp .dflash_kit/part_* "$gdir"/ && cat "$gdir"/part_a? > "$gguf"; }
+    (cd "$gdir" && sha256sum -c "$OLDPWD/.dflash_kit/SHA256SUMS") || exit 3
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
+      .dflash_kit/gguf-*.whl || exit 1
+    target=$(python3 -c "from vllm_ddtree.real_models import make_smollm2 as m; \
 print(m('/root/smollm2', '$gguf'))" | tail -n 1) || exit 1
-  timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/bench_e2e.py --target "$target" \
-    --drafter models/dflash-smollm2-135m-b8 --graphs --dtype bfloat16 --device-name h200 \
-    --out "$out/e2e_h200" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log" | grep -v "^INFO\|^(EngineCore" | tail -40
+    pair="--target $target --drafter models/dflash-smollm2-135m-b8"; stem=e2e_h200
+  fi
+  timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/bench_e2e.py $pair --graphs \
+    --dtype bfloat16 --device-name h200 --out "$out/$stem" ${E2E_ARGS:-} 2>&1 \
+    | tee "$out/e2e.log" | grep -v "^INFO\|^(EngineCore" | tail -40
   rc=${PIPESTATUS[0]}; echo "e2e exit code: $rc"
 fi
 exit "$rc"
