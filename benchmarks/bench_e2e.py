@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "CPU backend needs")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                    help="vLLM's memory share (on the CPU backend it sizes CPU memory)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vLLM's tensor parallelism (GPUs per engine)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed generations per row; tokens/s from the median time")
     p.add_argument("--jit-monitor-verbose", action="store_true",
@@ -66,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.tensor_parallel_size < 1:
+        p.error("--tensor-parallel-size must be at least 1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.methods) - {"plain", "chain", "ddtree"})
     if unknown or not args.methods:
@@ -126,6 +130,7 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace) -> l
               enforce_eager=not args.graphs,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024,
               disable_log_stats=False, seed=0,
+              tensor_parallel_size=args.tensor_parallel_size,
               **({"jit_monitor_verbose": True} if args.jit_monitor_verbose else {}))
     prompts = [llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
@@ -255,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
         Path(f"{stem}.json").write_text(json.dumps(
             {"target": str(target), "drafter": str(drafter), "max_tokens": args.max_tokens,
              "dtype": args.dtype, "graphs": args.graphs, "repeats": args.repeats,
+             "tensor_parallel_size": args.tensor_parallel_size,
              "results": results}, indent=1))
     print_table(results)
     if plot(results, Path(f"{stem}.png")):

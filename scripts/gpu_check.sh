@@ -3,6 +3,8 @@
 # call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md; build the kit
 # here with scripts/gpu_kit.sh, whose chunks fit a call beside the repository):
 #   bash scripts/gpu_check.sh [tests|bench|all|profile|e2e] [extra pytest args]
+# (GPU_TESTS names the test files, default tests/test_gpu_e2e.py; E2E_STEM the e2e
+# results' file name.)
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
 # the step-cost benchmark (BENCH_ARGS) or its profile (PROFILE_ARGS), and keeps logs and results under $OUT (or
 # ./gpu-out). `e2e` runs benchmarks/bench_e2e.py (E2E_ARGS) on the real pair: the
@@ -25,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -rA -p no:cacheprovider -n "${WORKERS:-8}" \
-    tests/test_gpu_e2e.py "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -v "^INFO\|^(EngineCore" | tail -60
+    ${GPU_TESTS:-tests/test_gpu_e2e.py} "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -v "^INFO\|^(EngineCore" | tail -60
   rc=${PIPESTATUS[0]}
   echo "gpu tests exit code: $rc"
 fi
@@ -54,6 +56,7 @@ if [ "$what" = e2e ]; then
 print(m('/root/smollm2', '$gguf'))" | tail -n 1) || exit 1
     pair="--target $target --drafter models/dflash-smollm2-135m-b8"; stem=e2e_h200
   fi
+  stem=${E2E_STEM:-$stem}
   timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/bench_e2e.py $pair --graphs \
     --dtype bfloat16 --device-name h200 --out "$out/$stem" ${E2E_ARGS:-} 2>&1 \
     | tee "$out/e2e.log" | grep -v "^INFO\|^(EngineCore" | tail -40

@@ -42,6 +42,14 @@ def tiny_llama_repetitive(tiny_models_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gpu_qwen3(tiny_models_dir: Path) -> Path:
+    """Random Qwen3 target with head size 64 (FlashAttention 3 supports it) and 2 KV
+    heads (tensor parallelism 2 splits them): the CUDA tests' target."""
+    return tm.make_target(tiny_models_dir / "qwen3_hd64", "qwen3", hidden_size=128,
+                          head_dim=64)
+
+
+@pytest.fixture(scope="session")
 def make_drafter(tiny_models_dir: Path) -> Callable[..., Path]:
     """``make_drafter(target_dir, block_size, mode="random", num_layers=1)`` returns
     the directory of a DFlash drafter for that target, built once per arguments.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -42,11 +43,12 @@ def test_methods_follow_the_methods_option(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--methods", "ddtree,medusa"], ["--methods", ","],
-                                  ["--repeats", "0"]])
+                                  ["--repeats", "0"], ["--tensor-parallel-size", "0"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
-    assert "--methods" in capsys.readouterr().err or "--repeats" in " ".join(argv)
+    error_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert argv[0] in error_line  # the message names the option (not just the usage)
 
 
 def test_render_prints_ratios_from_the_results_file(tmp_path, capsys):
@@ -74,3 +76,39 @@ def test_render_without_plain_or_chain_rows(tmp_path, capsys):
     fields = next(line.split() for line in capsys.readouterr().out.splitlines()
                   if line.startswith("ddtree"))
     assert fields[5:7] == ["nan", "nan"]
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM: records its arguments, emits max_tokens tokens."""
+
+    made: list[dict] = []
+
+    def __init__(self, **kwargs):
+        FakeLLM.made.append(kwargs)
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
+
+    def get_tokenizer(self):
+        return SimpleNamespace(apply_chat_template=lambda messages, **_: messages[0]["content"])
+
+    def generate(self, prompts, params, use_tqdm=False):
+        out = SimpleNamespace(token_ids=list(range(params.max_tokens)))
+        return [SimpleNamespace(outputs=[out]) for _ in prompts]
+
+    def get_metrics(self):
+        return []
+
+
+def test_tensor_parallel_size_reaches_every_engine_and_the_results(tmp_path, monkeypatch):
+    import vllm
+
+    FakeLLM.made = []
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
+    out = tmp_path / "tp2"
+    bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--budgets", "16",
+                "--caps", "4", "--max-tokens", "4", "--tensor-parallel-size", "2",
+                "--out", str(out)])
+    assert [m["tensor_parallel_size"] for m in FakeLLM.made] == [2, 2, 2]  # plain, chain, tree
+    assert json.loads(out.with_suffix(".json").read_text())["tensor_parallel_size"] == 2

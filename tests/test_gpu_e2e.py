@@ -33,13 +33,16 @@ import pytest
 import torch
 
 from tests import scripted_drafter
-from tests.e2e_utils import (
-    PROMPTS,
-    greedy,
-    make_llm,
-    prompt_ids,
-    shutdown,
-    spec_metrics,
+from tests.e2e_utils import PROMPTS, greedy, prompt_ids, shutdown, spec_metrics
+from tests.gpu_utils import (
+    BF16_NEAR_TIE,
+    FLOAT32_NEAR_TIE,
+    MAX_TOKENS,
+    PROMPTS16,
+    assert_identical_or_near_tie,
+    gpu_llm,
+    greedy_with_top2,
+    use_v1_runner_and_sync_check,
 )
 
 pytestmark = [
@@ -49,42 +52,12 @@ pytestmark = [
 ]
 
 BLOCK = 8
-MAX_TOKENS = 24
 BUDGETS = [1, 7, 8, 16, 17, 31, 64]
-PROMPTS16 = PROMPTS + [f"{p} {p}" for p in PROMPTS]
-GPU_KW = {
-    # Several engines share the GPU under pytest-xdist: a fixed KV cache size
-    # keeps their memory profiles from seeing one another.
-    "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16,
-    "max_model_len": 512,
-}
-# A greedy divergence must start where the reference's two best tokens are this
-# close in log-probability: a tie within rounding, which a different reduction
-# order (GEMM shapes change with the verify width; tree vs decode attention) flips.
-FLOAT32_NEAR_TIE = 1e-3
-BF16_NEAR_TIE = 0.25  # two bf16 steps of a logit in [16, 32)
-
-
-@pytest.fixture(scope="module")
-def gpu_qwen3(tiny_models_dir):
-    """Random Qwen3 target with head size 64, which FlashAttention 3 supports."""
-    from vllm_ddtree import tiny_models as tm
-
-    return tm.make_target(tiny_models_dir / "qwen3_hd64", "qwen3", hidden_size=128,
-                          head_dim=64)
 
 
 @pytest.fixture(autouse=True)
 def v1_runner_and_sync_check(monkeypatch):
-    """Every engine on the V1 runner (DDTree's) and the host-sync check on."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    monkeypatch.setenv("VLLM_DDTREE_CHECK_SYNC", "1")
-
-
-def gpu_llm(model, speculative_config=None, *, graphs: bool, **kw):
-    return make_llm(
-        str(model), speculative_config, enforce_eager=not graphs, **{**GPU_KW, **kw}
-    )
+    use_v1_runner_and_sync_check(monkeypatch)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["eager", "graphs"])
@@ -135,41 +108,6 @@ def hf_float32(gpu_qwen3):
         return [cache[ids] for ids in ids_list]
 
     return run
-
-
-def greedy_with_top2(llm, prompts):
-    """(token ids, per-token {token: logprob} of the two best) for each prompt."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                            logprobs=2)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [
-        (list(o.outputs[0].token_ids),
-         [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
-        for o in outputs
-    ]
-
-
-def assert_identical_or_near_tie(got, reference, near_tie: float) -> int:
-    """Each sequence equals the reference, or first differs where the reference's two
-    best tokens are within ``near_tie`` in log-probability and DDTree took the other
-    one (a flip that rounding in a different GEMM / attention order can cause).
-    Returns the number of identical sequences."""
-    identical = 0
-    for g, (expected, top2) in zip(got, reference, strict=True):
-        first = next((i for i, (a, b) in enumerate(zip(g, expected)) if a != b), None)
-        if first is None:
-            assert len(g) == len(expected)
-            identical += 1
-            continue
-        best = sorted(top2[first].values(), reverse=True)
-        gap = best[0] - best[1]
-        print(f"  diverged at token {first}: reference top-2 gap {gap:.3g}")
-        assert g[first] in top2[first], f"token {first}: {g[first]} is not a top-2 token"
-        assert gap <= near_tie, f"token {first}: diverged at a clear choice (gap {gap:.3g})"
-    print(f"identical sequences: {identical}/{len(got)}")
-    return identical
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

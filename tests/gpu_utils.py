@@ -1,0 +1,68 @@
+"""Helpers shared by the end-to-end tests on CUDA (tests/test_gpu_*.py): engine
+settings for several engines on one GPU, greedy output with the two best
+log-probabilities, and the near-tie rule for float32/bf16 comparisons."""
+
+from __future__ import annotations
+
+from tests.e2e_utils import PROMPTS, make_llm
+
+MAX_TOKENS = 24
+PROMPTS16 = PROMPTS + [f"{p} {p}" for p in PROMPTS]
+GPU_KW = {
+    # Several engines share the GPU under pytest-xdist: a fixed KV cache size
+    # keeps their memory profiles from seeing one another.
+    "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 16,
+    "max_model_len": 512,
+}
+# A greedy divergence must start where the reference's two best tokens are this
+# close in log-probability: a tie within rounding, which a different reduction
+# order (GEMM shapes change with the verify width; tree vs decode attention) flips.
+FLOAT32_NEAR_TIE = 1e-3
+BF16_NEAR_TIE = 0.25  # two bf16 steps of a logit in [16, 32)
+
+
+def use_v1_runner_and_sync_check(monkeypatch) -> None:
+    """Every engine on the V1 runner (DDTree's) and the plugin's host-sync check on."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setenv("VLLM_DDTREE_CHECK_SYNC", "1")
+
+
+def gpu_llm(model, speculative_config=None, *, graphs: bool, **kw):
+    return make_llm(
+        str(model), speculative_config, enforce_eager=not graphs, **{**GPU_KW, **kw}
+    )
+
+
+def greedy_with_top2(llm, prompts):
+    """(token ids, per-token {token: logprob} of the two best) for each prompt."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (list(o.outputs[0].token_ids),
+         [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+        for o in outputs
+    ]
+
+
+def assert_identical_or_near_tie(got, reference, near_tie: float) -> int:
+    """Each sequence equals the reference, or first differs where the reference's two
+    best tokens are within ``near_tie`` in log-probability and DDTree took the other
+    one (a flip that rounding in a different GEMM / attention order can cause).
+    Returns the number of identical sequences."""
+    identical = 0
+    for g, (expected, top2) in zip(got, reference, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(g, expected)) if a != b), None)
+        if first is None:
+            assert len(g) == len(expected)
+            identical += 1
+            continue
+        best = sorted(top2[first].values(), reverse=True)
+        gap = best[0] - best[1]
+        print(f"  diverged at token {first}: reference top-2 gap {gap:.3g}")
+        assert g[first] in top2[first], f"token {first}: {g[first]} is not a top-2 token"
+        assert gap <= near_tie, f"token {first}: diverged at a clear choice (gap {gap:.3g})"
+    print(f"identical sequences: {identical}/{len(got)}")
+    return identical
