@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vLLM's memory share (on the CPU backend it sizes CPU memory)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="vLLM's tensor parallelism (GPUs per engine)")
+    p.add_argument("--no-custom-all-reduce", action="store_true",
+                   help="NCCL's all-reduce instead of vLLM's custom one (TP > 1)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed generations per row; tokens/s from the median time")
     p.add_argument("--jit-monitor-verbose", action="store_true",
@@ -131,6 +133,7 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace) -> l
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024,
               disable_log_stats=False, seed=0,
               tensor_parallel_size=args.tensor_parallel_size,
+              disable_custom_all_reduce=args.no_custom_all_reduce,
               **({"jit_monitor_verbose": True} if args.jit_monitor_verbose else {}))
     prompts = [llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
@@ -261,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
             {"target": str(target), "drafter": str(drafter), "max_tokens": args.max_tokens,
              "dtype": args.dtype, "graphs": args.graphs, "repeats": args.repeats,
              "tensor_parallel_size": args.tensor_parallel_size,
+             "custom_all_reduce": not args.no_custom_all_reduce,
              "results": results}, indent=1))
     print_table(results)
     if plot(results, Path(f"{stem}.png")):

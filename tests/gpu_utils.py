@@ -4,6 +4,8 @@ log-probabilities, and the near-tie rule for float32/bf16 comparisons."""
 
 from __future__ import annotations
 
+import torch
+
 from tests.e2e_utils import PROMPTS, make_llm
 
 MAX_TOKENS = 24
@@ -66,3 +68,42 @@ def assert_identical_or_near_tie(got, reference, near_tie: float) -> int:
         assert gap <= near_tie, f"token {first}: diverged at a clear choice (gap {gap:.3g})"
     print(f"identical sequences: {identical}/{len(got)}")
     return identical
+
+
+def hf_greedy_oracle(model_dir):
+    """Greedy outputs of transformers in float32 on the CPU, with the two best
+    log-probabilities per token (greedy_with_top2's format), cached per prompt: the
+    exact float32 oracle. vLLM's own non-speculative float32 decode on CUDA is not
+    exact (the tests print how far it strays from this), so greedy identity is
+    checked against this oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    cache: dict[tuple[int, ...], tuple[list[int], list[dict[int, float]]]] = {}
+
+    @torch.no_grad()
+    def run(ids_list):
+        # One thread: pytest-xdist workers and their engines already fill the cores.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _run(ids_list)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(ids_list):
+        for ids in ids_list:
+            if ids in cache:
+                continue
+            x = torch.tensor([ids])
+            tokens, top2 = [], []
+            for _ in range(MAX_TOKENS):  # full recompute each step: no cache to get wrong
+                values, best = model(x).logits[0, -1].log_softmax(-1).topk(2)
+                tokens.append(int(best[0]))
+                top2.append({int(t): float(v) for t, v in zip(best, values)})
+                x = torch.cat([x, best[:1].view(1, 1)], dim=1)
+            cache[ids] = (tokens, top2)
+        return [cache[ids] for ids in ids_list]
+
+    return run

@@ -42,6 +42,7 @@ from tests.gpu_utils import (
     assert_identical_or_near_tie,
     gpu_llm,
     greedy_with_top2,
+    hf_greedy_oracle,
     use_v1_runner_and_sync_check,
 )
 
@@ -75,39 +76,7 @@ def reference(request, gpu_qwen3):
 
 @pytest.fixture(scope="module")
 def hf_float32(gpu_qwen3):
-    """Greedy outputs of transformers in float32 on the CPU, with the two best
-    log-probabilities per token (greedy_with_top2's format), cached per prompt."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        gpu_qwen3, dtype=torch.float32, attn_implementation="eager").eval()
-    cache: dict[tuple[int, ...], tuple[list[int], list[dict[int, float]]]] = {}
-
-    @torch.no_grad()
-    def run(ids_list):
-        # One thread: pytest-xdist workers and their engines already fill the cores.
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return _run(ids_list)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _run(ids_list):
-        for ids in ids_list:
-            if ids in cache:
-                continue
-            x = torch.tensor([ids])
-            tokens, top2 = [], []
-            for _ in range(MAX_TOKENS):  # full recompute each step: no cache to get wrong
-                values, best = model(x).logits[0, -1].log_softmax(-1).topk(2)
-                tokens.append(int(best[0]))
-                top2.append({int(t): float(v) for t, v in zip(best, values)})
-                x = torch.cat([x, best[:1].view(1, 1)], dim=1)
-            cache[ids] = (tokens, top2)
-        return [cache[ids] for ids in ids_list]
-
-    return run
+    return hf_greedy_oracle(gpu_qwen3)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

@@ -3,10 +3,11 @@
 Each rank builds its own tree from the drafter's logits (gathered over the
 vocab-parallel shards first); both ranks must build the same trees, or their
 attention and KV compaction would disagree. Greedy DDTree output must equal
-non-speculative greedy output at the same TP, under the near-tie rule of
-tests/test_gpu_e2e.py (a verify step's GEMMs and all-reduces have other shapes
-than a decode step's, so float32 rounding differs in the last bits). Drafts are
-scripted from the reference run so trees are accepted at many depths.
+greedy output, under the near-tie rule of tests/test_gpu_e2e.py and with the same
+oracle: transformers' float32 greedy decoding on the CPU, since vLLM's own float32
+decode on CUDA is not exact (vLLM's non-speculative TP 2 run is compared with the
+oracle too, and printed). Drafts are scripted from the non-speculative TP 2 run so
+trees are accepted at many depths.
 
 Skipped unless two CUDA devices are visible (the CPU half is tests/test_e2e_tp.py).
 """
@@ -27,6 +28,7 @@ from tests.gpu_utils import (
     assert_identical_or_near_tie,
     gpu_llm,
     greedy_with_top2,
+    hf_greedy_oracle,
     use_v1_runner_and_sync_check,
 )
 
@@ -36,7 +38,10 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
 
-TP = {"tensor_parallel_size": 2}
+# vLLM 0.33's custom all-reduce hit an illegal memory access during CUDA graph
+# capture on the lent two-H200 machine for every speculative engine, vLLM's own
+# DFlash chain included (non-speculative engines captured fine): NCCL's all-reduce here.
+TP = {"tensor_parallel_size": 2, "disable_custom_all_reduce": True}
 BLOCK = 8
 
 
@@ -56,11 +61,19 @@ def tp_reference(gpu_qwen3):
         shutdown(llm)
 
 
+@pytest.fixture(scope="module")
+def hf_float32(gpu_qwen3):
+    return hf_greedy_oracle(gpu_qwen3)
+
+
 @pytest.mark.parametrize("budget, cap", [(16, 4), (31, None)])
 def test_tp2_graphs_greedy_identical_and_ranks_build_the_same_trees(
-    gpu_qwen3, make_drafter, tp_reference, monkeypatch, tmp_path, budget, cap
+    gpu_qwen3, make_drafter, tp_reference, hf_float32, monkeypatch, tmp_path, budget, cap
 ):
     ids, reference = tp_reference
+    expected = hf_float32(ids)
+    print("vLLM non-speculative TP 2 vs transformers:")
+    assert_identical_or_near_tie([r[0] for r in reference], expected, float("inf"))
     scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [r[0] for r in reference])))
     log_dir = scripted_drafter.install_tree_log(monkeypatch, tmp_path)
     config = {"method": "ddtree", "model": str(make_drafter(gpu_qwen3, BLOCK)),
@@ -72,9 +85,9 @@ def test_tp2_graphs_greedy_identical_and_ranks_build_the_same_trees(
         metrics = spec_metrics(llm)
     finally:
         shutdown(llm)
-    identical = assert_identical_or_near_tie(batch16, reference, FLOAT32_NEAR_TIE)
+    identical = assert_identical_or_near_tie(batch16, expected, FLOAT32_NEAR_TIE)
     assert identical >= len(PROMPTS16) - 2
-    assert_identical_or_near_tie(batch1, reference[3:4], FLOAT32_NEAR_TIE)
+    assert_identical_or_near_tie(batch1, expected[3:4], FLOAT32_NEAR_TIE)
     assert metrics["num_drafts"] > 0
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"]  # deep acceptance
     logs = sorted(log_dir.glob("*.jsonl"))
