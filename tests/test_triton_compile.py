@@ -136,3 +136,44 @@ def test_per_request_metadata_alignment_compiles_no_new_variant(kernel, metadata
         odd = {name: host[1] for name in metadata}  # what begin_verify_step passes
         even = {name: host[0] for name in metadata}
         assert specialization(kernel, odd) == specialization(kernel, even), num_reqs
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` records the call."""
+
+    def __init__(self, kernel):
+        self.arg_names = kernel.arg_names
+        self.calls: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(dict(zip(self.arg_names, args)))
+        return launch
+
+
+def test_launch_dtypes_do_not_depend_on_the_caller(monkeypatch):
+    """vLLM's DFlash sends int32 next tokens and int32 drafts; the start-up warm-up
+    (vllm_ddtree/warmup.py) builds its own. A dtype that differs between them is a
+    second compiled variant, which an H200 run logged compiling during inference
+    (select_tree_kernel, step_trees_kernel): the wrappers send one dtype each."""
+    import vllm_ddtree.step_tree_triton as step_mod
+    import vllm_ddtree.tree_triton as tree_mod
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the wrappers' device check, on the CPU
+    select = LaunchRecorder(select_tree_kernel)
+    step = LaunchRecorder(step_trees_kernel)
+    monkeypatch.setattr(tree_mod, "select_tree_kernel", select)
+    monkeypatch.setattr(step_mod, "step_trees_kernel", step)
+    top_vals = torch.zeros(2, 3, 2).log_softmax(-1).sort(-1, descending=True).values
+    top_ids = torch.arange(2).repeat(2, 3, 1)
+    for dtype in (torch.int32, torch.int64):
+        tree_mod.select_tree_triton(top_vals, top_ids, torch.zeros(2, dtype=dtype), 4)
+        for num_drafts in (0, 4):
+            step_mod.step_trees_triton(
+                None, None, torch.zeros(2 * num_drafts, dtype=dtype),
+                torch.tensor([num_drafts, 2 * num_drafts], dtype=dtype),
+                torch.full((2,), num_drafts), num_drafts + 1)
+    assert {c["root_tokens_ptr"].dtype for c in select.calls} == {torch.int64}
+    assert {c["drafts_ptr"].dtype for c in step.calls} == {torch.int32}
+    assert {c["cu_drafts_ptr"].dtype for c in step.calls} == {torch.int32}
+    assert len(select.calls) == 2 and len(step.calls) == 4

@@ -68,13 +68,17 @@ def step_trees_triton(
             drafted.tokens, drafted.parents, drafted.depths, drafted.valid,
             drafted.ancestor_mask, drafted.num_nodes)))
     source = drafted if has_drafted else DDTree(tokens, parents, depths, valid, mask, num_nodes)
-    drafts = draft_token_ids if draft_token_ids.numel() > 0 else num_scheduled  # never read
+    # int32 drafts and counts whatever the caller sends (vLLM sends int32; with no
+    # drafts the pointer is never read): one compiled variant for every step.
+    cu_drafts = cu_num_draft_tokens.to(torch.int32).contiguous()
+    drafts = draft_token_ids.to(torch.int32).contiguous() if draft_token_ids.numel() > 0 \
+        else cu_drafts
     packed = packed_out if packed_out is not None else num_nodes  # never written without it
     step_trees_kernel[(num_reqs,)](
         tokens, parents, depths, valid.view(torch.uint8), mask.view(torch.uint8), num_nodes,
         source.tokens, source.parents, source.depths,
         source.valid.view(torch.uint8), source.ancestor_mask.view(torch.uint8),
-        (index if has_drafted else num_scheduled).contiguous(), drafts.contiguous(), cu_num_draft_tokens.contiguous(),
+        (index if has_drafted else num_scheduled).contiguous(), drafts, cu_drafts,
         num_scheduled.contiguous(),
         width, draft_token_ids.numel(),
         source.tokens.stride(0), source.ancestor_mask.stride(0), source.ancestor_mask.stride(1),

@@ -66,7 +66,10 @@ def select_tree_triton(
             position,
             top_vals,
             top_ids,
-            root_tokens,
+            # vLLM's DFlash sends int32 next tokens: one dtype (and no alignment
+            # specialization) for every caller, so the start-up warm-up's variant is
+            # the one every step uses.
+            root_tokens.to(torch.int64),
             BUDGET=budget,
             MAX_DEPTH=max_depth,
             TOPK=k,
@@ -117,7 +120,7 @@ def _check_inputs(
 # ----------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["root_tokens_ptr"])
 def select_tree_kernel(
     tokens_ptr,  # [num_reqs, BUDGET + 1] int64
     parents_ptr,  # [num_reqs, BUDGET + 1] int64
@@ -128,7 +131,7 @@ def select_tree_kernel(
     position_ptr,  # [num_reqs, BLOCK] int32 scratch: layout position of each slot
     top_vals_ptr,  # [num_reqs, MAX_DEPTH, TOPK] float32
     top_ids_ptr,  # [num_reqs, MAX_DEPTH, TOPK] int64
-    root_tokens_ptr,  # [num_reqs]
+    root_tokens_ptr,  # [num_reqs] int64
     BUDGET: tl.constexpr,
     MAX_DEPTH: tl.constexpr,
     TOPK: tl.constexpr,
