@@ -75,3 +75,16 @@ def test_readme_h200_speed_table_is_the_results_file():
         assert float(x_plain) == round(r["tok_per_s"] / plain["tok_per_s"], 2), name
         assert float(x_chain) == round(r["tok_per_s"] / chain["tok_per_s"], 2), name
         assert float(ms) == round(1e3 * r["seconds"] / steps, 1), name
+
+
+def test_readme_tp2_table_is_the_results_file():
+    tp = results_rows("e2e_h200x2_tp2_tiny.json")
+    rows = block_after(README, "method          batch   tau    tok/s   x plain   x chain")
+    assert {r[0] for r in rows} == {"plain", "chain", "ddtree-b16-k4"}
+    assert len(rows) == 6
+    for name, batch, tau, tok_s, x_plain, x_chain in rows:
+        r, plain, chain = (greedy(tp[n], int(batch)) for n in (name, "plain", "chain"))
+        assert float(tau) == round(r["tau"], 2), name
+        assert int(tok_s) == round(r["tok_per_s"]), name
+        assert float(x_plain) == round(r["tok_per_s"] / plain["tok_per_s"], 2), name
+        assert float(x_chain) == round(r["tok_per_s"] / chain["tok_per_s"], 2), name
