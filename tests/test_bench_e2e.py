@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
@@ -81,7 +82,7 @@ def test_render_without_plain_or_chain_rows(tmp_path, capsys):
 class FakeLLM:
     """Stands in for vllm.LLM: records its arguments, emits max_tokens tokens."""
 
-    made: list[dict] = []
+    made: ClassVar[list[dict]] = []
 
     def __init__(self, **kwargs):
         FakeLLM.made.append(kwargs)
