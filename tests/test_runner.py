@@ -167,8 +167,10 @@ def test_runner_warms_up_every_target_layer_shape(monkeypatch):
     runner.device = SimpleNamespace(type="cuda")
     runner.dtype = torch.bfloat16
     runner.model_config = SimpleNamespace(get_hidden_size=lambda: 32)
+    runner.max_num_reqs = 6
     ddtree_runner.warm_up_kernels(runner)
     assert len(steps) == 1 and steps[0][2:4] == (32, torch.bfloat16)
-    (layers, dtype, width, packed), = attention
+    (layers, dtype, width, packed, max_num_reqs), = attention
+    assert max_num_reqs == 6  # tile configurations for every batch the engine can run
     assert [(s.num_heads, s.head_size, s.scale) for s in layers] == [(4, 8, 0.5)]  # target only
     assert (dtype, width, tuple(packed.shape)) == (torch.bfloat16, 5, (1, 5, 1))

@@ -101,7 +101,36 @@ def test_tree_attention_warm_up_runs_both_split_variants_and_reads_only(monkeypa
     warmup.warm_up_tree_attention(layers, torch.bfloat16, width, buffer[:1])
 
     splits = [dict(kw)["SPLIT"] for name, kw in seen if name == "tree_attention_kernel"]
-    assert splits == [False, True]  # alike layers: one shape, warmed once per variant
+    assert splits == [False, True]  # alike layers, batch 1: one shape, one tile config
     assert sum(name == "merge_splits_kernel" for name, _ in seen) == 1
     for cache, old in zip(caches, before):
         assert torch.equal(cache.view(torch.int16), old.view(torch.int16))
+
+
+def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypatch):
+    """Small batches take lighter tiles than large ones (pick_tile_config): every
+    configuration a batch of 1 to max_num_reqs would launch is compiled at start-up, each
+    without and with a split (an H200 step benchmark met a new variant at batch 32)."""
+    from vllm_ddtree.attention import triton_tree
+    from vllm_ddtree.attention.tree_attention_plan import pick_tile_config
+
+    seen: list = []
+    monkeypatch.setattr(triton_tree, "tree_attention_kernel",
+                        Recorder("tree_attention_kernel", triton_tree.tree_attention_kernel,
+                                 seen))
+    gen = torch.Generator().manual_seed(2)
+    cache, = make_caches(1, 3, 2, 16, 2 * 32, torch.bfloat16, gen)
+    width, max_num_reqs, num_heads, num_kv_heads = 17, 40, 8, 2
+    layers = [warmup.AttentionShape(num_heads, 32, 32 ** -0.5, cache)]
+    buffer = mask_buffer(2, width, torch.device(DEVICE))
+
+    warmup.warm_up_tree_attention(layers, torch.bfloat16, width, buffer[:1], max_num_reqs)
+
+    launched = {(kw["BLOCK_M"], kw["BLOCK_N"], kw["SPLIT"])
+                for kw in (dict(k) for _, k in seen)}
+    wanted = {pick_tile_config(32, num_heads // num_kv_heads, torch.bfloat16, width,
+                               n * num_kv_heads, 132)
+              for n in range(1, max_num_reqs + 1)}
+    assert len(wanted) == 2  # this shape: light tiles for small batches, heavy for large
+    assert launched == {(c.block_m, c.block_n, split) for c in wanted
+                        for split in (False, True)}

@@ -280,6 +280,7 @@ def warm_up_kernels(runner: GPUModelRunner) -> None:
              for impl in [context[name].impl]],
             runner.dtype, state.ddtree.verify_width,
             packed_view(state.mask_buffer, 1, state.ddtree.verify_width),
+            runner.max_num_reqs,
         )
     except Exception as exc:  # noqa: BLE001 (compiling ahead is an optimization: go on)
         logger.warning(

@@ -11,12 +11,14 @@ the runner's mask buffer), positions, the walk and the compaction of KV, rows an
 positions. The step accepts only its roots, so the compaction moves nothing: the KV
 caches are read and left as they were.
 
-``warm_up_tree_attention`` then launches the tree-attention kernel once per distinct
-layer shape without and with a split of the keys (and the merge of the splits), on a
-scratch query over the real caches, which it only reads. vLLM's graph capture runs it
-too, but over contexts too short to split. Variants met later (a step of another
-width, say) still compile at first use; Triton keeps every compiled kernel on disk,
-so each costs once per machine.
+``warm_up_tree_attention`` then launches the tree-attention kernel for each distinct
+layer shape, with every tile configuration the plan can pick at this width for 1 to
+``max_num_reqs`` requests (small batches take lighter tiles than large ones), each
+without and with a split of the keys (and the merge of the splits), on a scratch query
+over the real caches, which it only reads. vLLM's graph capture runs it too, but over
+contexts too short to split. Variants met later (a step of another width, say) still
+compile at first use; Triton keeps every compiled kernel on disk, so each costs once
+per machine.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ddtree.attention.kv_move_triton import compact_kv_triton
-from vllm_ddtree.attention.tree_attention_plan import MIN_SPLIT_KEYS
+from vllm_ddtree.attention.tree_attention_plan import (
+    MIN_SPLIT_KEYS,
+    TileConfig,
+    pick_tile_config,
+    sm_count,
+)
 from vllm_ddtree.attention.triton_tree import tree_attention_triton
 from vllm_ddtree.compact_rows_triton import (
     compact_rows_triton,
@@ -108,10 +115,12 @@ def warm_up_tree_attention(
     dtype: torch.dtype,  # the query's (the model's) dtype
     width: int,  # budget + 1 query rows
     packed_mask: torch.Tensor,  # [1, width, words] int32, the runner's mask buffer corner
+    max_num_reqs: int = 1,  # the engine's largest batch
 ) -> None:
-    """The tree kernel without and with a split of the keys, for each distinct layer
-    shape: one request of ``width`` rows over a context long enough to split, all its
-    pages the cache's first page. Only the scratch query's output is written."""
+    """The tree kernel for each distinct layer shape and each tile configuration a batch
+    of 1 to ``max_num_reqs`` requests can pick, without and with a split of the keys:
+    one request of ``width`` rows over a context long enough to split, all its pages
+    the cache's first page. Only the scratch query's output is written."""
     from vllm_ddtree.attention.cuda import split_kv_cache  # CUDA backends only
 
     seen: set[tuple] = set()
@@ -128,7 +137,23 @@ def warm_up_tree_attention(
         seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
         query_start = torch.tensor([0, width], dtype=torch.int32, device=device)
         query = torch.zeros(width, layer.num_heads, layer.head_size, dtype=dtype, device=device)
-        for num_splits in (1, 2):
-            tree_attention_triton(query, key_cache, value_cache, block_table, seq_lens,
-                                  query_start, packed_mask, layer.scale, max_query_len=width,
-                                  max_seq_len=seq_len, num_splits=num_splits)
+        for config in tile_configs(layer.num_heads, layer.head_size, key_cache.shape[2], dtype,
+                                   width, max_num_reqs, sm_count(device)):
+            for num_splits in (1, 2):
+                tree_attention_triton(query, key_cache, value_cache, block_table, seq_lens,
+                                      query_start, packed_mask, layer.scale,
+                                      max_query_len=width, max_seq_len=seq_len,
+                                      num_splits=num_splits, config=config)
+
+
+def tile_configs(num_heads: int, head_size: int, num_kv_heads: int, dtype: torch.dtype,
+                 width: int, max_num_reqs: int, num_sms: int) -> list[TileConfig]:
+    """The distinct tile configurations the plan picks for 1 to ``max_num_reqs``
+    requests of ``width`` rows (tree_attention_plan.pick_tile_config)."""
+    configs: list[TileConfig] = []
+    for num_reqs in range(1, max(1, max_num_reqs) + 1):
+        config = pick_tile_config(head_size, num_heads // num_kv_heads, dtype, width,
+                                  num_reqs * num_kv_heads, num_sms)
+        if config not in configs:
+            configs.append(config)
+    return configs

@@ -25,6 +25,7 @@ __all__ = [
     "pick_tile_config",
     "plan_signature",
     "plan_tree_attention",
+    "sm_count",
 ]
 
 LOG2_E = 1.4426950408889634
@@ -113,7 +114,7 @@ def plan_tree_attention(
                                  query_start_loc, (), (), {})
 
     group = num_heads // num_kv_heads
-    num_sms = _num_sms(query.device)
+    num_sms = sm_count(query.device)
     config = config or pick_tile_config(
         head_dim, group, query.dtype, max_query_len, num_reqs * num_kv_heads, num_sms
     )
@@ -211,7 +212,8 @@ def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
     return max(1, min(want, max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
-def _num_sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors the plan sizes its grid for."""
     if device.type != "cuda":
         return 132  # interpreter runs on the CPU: plan as for an H200
     return torch.cuda.get_device_properties(device).multi_processor_count
