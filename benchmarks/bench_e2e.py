@@ -44,6 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "models built here (tiny), or real when its drafter is in models/")
     p.add_argument("--methods", default="plain,chain,ddtree",
                    help="comma list of plain, chain, ddtree")
+    p.add_argument("--baseline-runners", default="default",
+                   help="comma list of default, v1: plain and chain on vLLM's default model "
+                        "runner and scheduling (rows plain, chain) and/or on the V1 runner "
+                        "without async scheduling, as DDTree runs (rows plain-v1, chain-v1; "
+                        "GPU only)")
     p.add_argument("--quick", action="store_true", help="a few configs, for CI")
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--caps", type=str, nargs="+", default=["1", "2", "4", "none"])
@@ -76,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.methods) - {"plain", "chain", "ddtree"})
     if unknown or not args.methods:
         p.error(f"--methods takes plain, chain, ddtree; got {args.methods}")
+    args.baseline_runners = [r.strip() for r in args.baseline_runners.split(",") if r.strip()]
+    if not args.baseline_runners or set(args.baseline_runners) - {"default", "v1"}:
+        p.error(f"--baseline-runners takes default, v1; got {args.baseline_runners}")
     return args
 
 
@@ -102,11 +110,12 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
 def methods(args: argparse.Namespace, drafter: Path) -> list[tuple[str, dict | None]]:
     block = json.loads((drafter / "config.json").read_text())["block_size"]
     out: list[tuple[str, dict | None]] = []
+    suffixes = ["" if r == "default" else "-v1" for r in args.baseline_runners]
     if "plain" in args.methods:
-        out.append(("plain", None))
+        out += [(f"plain{x}", None) for x in suffixes]
     if "chain" in args.methods:
-        out.append(("chain", {"method": "dflash", "model": str(drafter),
-                              "num_speculative_tokens": block - 1}))
+        out += [(f"chain{x}", {"method": "dflash", "model": str(drafter),
+                               "num_speculative_tokens": block - 1}) for x in suffixes]
     budgets, caps = (args.budgets, args.caps) if not args.quick else ([8], ["4"])
     for budget in budgets if "ddtree" in args.methods else []:
         for cap in caps:
@@ -125,15 +134,25 @@ def spec_counters(llm) -> dict[str, Any]:
     return stats
 
 
-def run_method(target: Path, config: dict | None, args: argparse.Namespace) -> list[dict]:
+def run_method(target: Path, config: dict | None, args: argparse.Namespace,
+               v1_sync: bool = False) -> tuple[list[dict], dict]:
+    """Rows of one engine, and the runner settings it resolved. ``v1_sync``: on the
+    V1 model runner without async scheduling, as DDTree runs."""
     from vllm import LLM, SamplingParams
 
+    # The engine process reads the runner choice when it starts; a DDTree engine
+    # started earlier in this process set it to V1, so default rows clear it.
+    if v1_sync:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    elif (config or {}).get("method") != "ddtree":
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     llm = LLM(model=str(target), speculative_config=config, dtype=args.dtype,
               enforce_eager=not args.graphs,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024,
               disable_log_stats=False, seed=0,
               tensor_parallel_size=args.tensor_parallel_size,
               disable_custom_all_reduce=args.no_custom_all_reduce,
+              **({"async_scheduling": False} if v1_sync else {}),
               **({"jit_monitor_verbose": True} if args.jit_monitor_verbose else {}))
     prompts = [llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
@@ -159,8 +178,18 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace) -> l
             row["steps"] /= args.repeats  # the counters span every timed call
             row["seconds_each"] = [round(t, 6) for t in times]
             rows.append(row)
+    settings = engine_settings(llm)
     llm.llm_engine.engine_core.shutdown()
-    return rows
+    return rows, settings
+
+
+def engine_settings(llm) -> dict[str, Any]:
+    """The model runner and scheduling an engine resolved (None where unknown)."""
+    cfg = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    v2 = getattr(cfg, "use_v2_model_runner", None)
+    return {"model_runner": None if v2 is None else ("v2" if v2 else "v1"),
+            "async_scheduling": getattr(getattr(cfg, "scheduler_config", None),
+                                        "async_scheduling", None)}
 
 
 def summarize(before, after, tokens, elapsed, temperature, batch) -> dict:
@@ -180,21 +209,29 @@ def summarize(before, after, tokens, elapsed, temperature, batch) -> dict:
 
 
 def print_table(results: dict[str, list[dict]]) -> None:
-    base = {(r["temperature"], r["batch"]): r for r in results.get("plain", [])}
-    chain = {(r["temperature"], r["batch"]): r for r in results.get("chain", [])}
+    """tok/s ratios to plain and to the chain (their default-runner rows, else the V1
+    ones), and to the V1 chain as well when both chain rows ran."""
+    def by_key(name: str) -> dict:
+        return {(r["temperature"], r["batch"]): r for r in results.get(name, [])}
+
+    base = by_key("plain" if "plain" in results else "plain-v1")
+    chain = by_key("chain" if "chain" in results else "chain-v1")
+    chain_v1 = by_key("chain-v1") if "chain" in results and "chain-v1" in results else {}
     print(f"{'method':<18}{'T':>4}{'batch':>6}{'tau':>7}{'tok/s':>9}"
-          f"{'x plain':>9}{'x chain':>9}  per-depth acceptance")
+          f"{'x plain':>9}{'x chain':>9}" + (f"{'x ch-v1':>9}" if chain_v1 else "")
+          + "  per-depth acceptance")
     for name, rows in results.items():
         for r in rows:
             key = (r["temperature"], r["batch"])
-            vs_plain = r["tok_per_s"] / base[key]["tok_per_s"] if key in base else float("nan")
-            vs_chain = r["tok_per_s"] / chain[key]["tok_per_s"] if key in chain else float("nan")
+            ratios = [r["tok_per_s"] / ref[key]["tok_per_s"] if key in ref else float("nan")
+                      for ref in ([base, chain] + ([chain_v1] if chain_v1 else []))]
             depths = " ".join(f"{x:.2f}" for x in r["accept_rate_per_depth"][:8])
             each = r.get("seconds_each") or []
             # Slowest over fastest timed repeat: far above 1 means the repeats disagree.
             spread = f"  (repeats x{max(each) / min(each):.2f})" if len(each) > 1 else ""
             print(f"{name:<18}{r['temperature']:>4.1f}{r['batch']:>6}{r['tau']:>7.2f}"
-                  f"{r['tok_per_s']:>9.1f}{vs_plain:>9.2f}{vs_chain:>9.2f}  {depths}{spread}")
+                  f"{r['tok_per_s']:>9.1f}" + "".join(f"{x:>9.2f}" for x in ratios)
+                  + f"  {depths}{spread}")
 
 
 def greedy_batch1(rows: list[dict]) -> dict | None:
@@ -252,12 +289,15 @@ def main(argv: list[str] | None = None) -> dict:
     target, drafter = resolve_models(args)
     print(f"[bench] target {target}\n[bench] drafter {drafter}", flush=True)
     results: dict[str, list[dict]] = {}
+    engines: dict[str, dict] = {}
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = args.out or RESULTS / f"e2e_{args.device_name}{'_quick' if args.quick else ''}"
     for name, config in methods(args, drafter):
         print(f"[bench] {name} ...", flush=True)
         start = time.perf_counter()
-        results[name] = run_method(target, config, args)
+        results[name], engines[name] = run_method(target, config, args,
+                                                   v1_sync=name.endswith("-v1"))
+        print(f"[bench] {name}: {engines[name]}", flush=True)
         print(f"[bench] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
         # Written after every method, so a run cut short keeps what it measured.
         Path(f"{stem}.json").write_text(json.dumps(
@@ -265,6 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
              "dtype": args.dtype, "graphs": args.graphs, "repeats": args.repeats,
              "tensor_parallel_size": args.tensor_parallel_size,
              "custom_all_reduce": not args.no_custom_all_reduce,
+             "engines": engines,
              "results": results}, indent=1))
     print_table(results)
     if plot(results, Path(f"{stem}.png")):

@@ -44,6 +44,7 @@ def test_methods_follow_the_methods_option(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--methods", "ddtree,medusa"], ["--methods", ","],
+                                  ["--baseline-runners", "v2"],
                                   ["--repeats", "0"], ["--tensor-parallel-size", "0"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
@@ -85,7 +86,9 @@ class FakeLLM:
     made: ClassVar[list[dict]] = []
 
     def __init__(self, **kwargs):
-        FakeLLM.made.append(kwargs)
+        import os
+
+        FakeLLM.made.append({**kwargs, "env_v2": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")})
         self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
 
     def get_tokenizer(self):
@@ -113,3 +116,28 @@ def test_tensor_parallel_size_reaches_every_engine_and_the_results(tmp_path, mon
                 "--out", str(out)])
     assert [m["tensor_parallel_size"] for m in FakeLLM.made] == [2, 2, 2]  # plain, chain, tree
     assert json.loads(out.with_suffix(".json").read_text())["tensor_parallel_size"] == 2
+
+
+def test_baseline_runners_add_v1_rows_without_async_scheduling(tmp_path, monkeypatch, capsys):
+    """DDTree runs vLLM's V1 runner without async scheduling; --baseline-runners v1 adds
+    plain and chain rows under the same settings next to vLLM's defaults."""
+    import vllm
+
+    FakeLLM.made = []
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # as a DDTree engine leaves it
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
+    out = tmp_path / "runners"
+    bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods",
+                "plain,chain", "--baseline-runners", "default,v1", "--max-tokens", "4",
+                "--out", str(out)])
+    made = {("plain", "chain")[m["speculative_config"] is not None]
+            + ("-v1" if m.get("async_scheduling") is False else ""): m for m in FakeLLM.made}
+    assert sorted(made) == ["chain", "chain-v1", "plain", "plain-v1"]
+    assert made["chain"]["env_v2"] is None and "async_scheduling" not in made["chain"]
+    assert made["chain-v1"]["env_v2"] == "0"
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert sorted(saved["results"]) == sorted(made) == sorted(saved["engines"])
+    assert "x ch-v1" in capsys.readouterr().out  # both chains: a column for each
