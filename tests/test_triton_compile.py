@@ -15,6 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from tests.triton_utils import KernelRecorder
 from vllm_ddtree.attention.kv_move_triton import compact_kv_kernel
 from vllm_ddtree.attention.triton_tree import tree_attention_kernel
 from vllm_ddtree.compact_rows_triton import (
@@ -138,19 +139,6 @@ def test_per_request_metadata_alignment_compiles_no_new_variant(kernel, metadata
         assert specialization(kernel, odd) == specialization(kernel, even), num_reqs
 
 
-class LaunchRecorder:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` records the call."""
-
-    def __init__(self, kernel):
-        self.arg_names = kernel.arg_names
-        self.calls: list[dict] = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append(dict(zip(self.arg_names, args)))
-        return launch
-
-
 def test_launch_dtypes_do_not_depend_on_the_caller(monkeypatch):
     """vLLM's DFlash sends int32 next tokens and int32 drafts; the start-up warm-up
     (vllm_ddtree/warmup.py) builds its own. A dtype that differs between them is a
@@ -160,10 +148,11 @@ def test_launch_dtypes_do_not_depend_on_the_caller(monkeypatch):
     import vllm_ddtree.tree_triton as tree_mod
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the wrappers' device check, on the CPU
-    select = LaunchRecorder(select_tree_kernel)
-    step = LaunchRecorder(step_trees_kernel)
-    monkeypatch.setattr(tree_mod, "select_tree_kernel", select)
-    monkeypatch.setattr(step_mod, "step_trees_kernel", step)
+    launches: list = []
+    monkeypatch.setattr(tree_mod, "select_tree_kernel",
+                        KernelRecorder(select_tree_kernel, launches, launch=False))
+    monkeypatch.setattr(step_mod, "step_trees_kernel",
+                        KernelRecorder(step_trees_kernel, launches, launch=False))
     top_vals = torch.zeros(2, 3, 2).log_softmax(-1).sort(-1, descending=True).values
     top_ids = torch.arange(2).repeat(2, 3, 1)
     for dtype in (torch.int32, torch.int64):
@@ -173,7 +162,9 @@ def test_launch_dtypes_do_not_depend_on_the_caller(monkeypatch):
                 None, None, torch.zeros(2 * num_drafts, dtype=dtype),
                 torch.tensor([num_drafts, 2 * num_drafts], dtype=dtype),
                 torch.full((2,), num_drafts), num_drafts + 1)
-    assert {c["root_tokens_ptr"].dtype for c in select.calls} == {torch.int64}
-    assert {c["drafts_ptr"].dtype for c in step.calls} == {torch.int32}
-    assert {c["cu_drafts_ptr"].dtype for c in step.calls} == {torch.int32}
-    assert len(select.calls) == 2 and len(step.calls) == 4
+    select = [c for name, c in launches if name == "select_tree_kernel"]
+    step = [c for name, c in launches if name == "step_trees_kernel"]
+    assert {c["root_tokens_ptr"].dtype for c in select} == {torch.int64}
+    assert {c["drafts_ptr"].dtype for c in step} == {torch.int32}
+    assert {c["cu_drafts_ptr"].dtype for c in step} == {torch.int32}
+    assert len(select) == 2 and len(step) == 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_kv_move_triton import make_caches
-from tests.triton_utils import DEVICE, needs_kernel
+from tests.triton_utils import DEVICE, KernelRecorder, needs_kernel
 from vllm_ddtree import warmup
 from vllm_ddtree.attention.state import mask_buffer
 from vllm_ddtree.config import DDTreeConfig
@@ -26,20 +26,6 @@ KERNELS = {  # module: kernel names the warm-up must launch
 }
 
 
-class Recorder:
-    """Stands in for a kernel: records each launch's compile-time constants, then launches."""
-
-    def __init__(self, name: str, kernel, launches: list):
-        self.name, self.kernel, self.launches = name, kernel, launches
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((self.name, tuple(sorted(kwargs.items()))))
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-
 @pytest.fixture
 def launches(monkeypatch):
     import importlib
@@ -48,7 +34,7 @@ def launches(monkeypatch):
     for module_name, names in KERNELS.items():
         module = importlib.import_module(module_name)
         for name in names:
-            monkeypatch.setattr(module, name, Recorder(name, getattr(module, name), seen))
+            monkeypatch.setattr(module, name, KernelRecorder(getattr(module, name), seen))
     return seen
 
 
@@ -68,12 +54,12 @@ def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, to
 
     names = {name for name, _ in launches}
     assert names == {name for names in KERNELS.values() for name in names}
-    step_trees = {dict(kw)["HAS_DRAFTED"]: dict(kw) for name, kw in launches
+    step_trees = {kw["HAS_DRAFTED"]: kw for name, kw in launches
                   if name == "step_trees_kernel"}
     assert set(step_trees) == {False, True}  # the first decode step and a tree step
     assert step_trees[True]["BLOCK"] == triton_block(ddtree.verify_width)
     assert step_trees[True]["WORDS"] == 1  # masks packed into the runner's buffer
-    rows = {dict(kw)["ROW"] for name, kw in launches if name == "compact_rows_kernel"}
+    rows = {kw["ROW"] for name, kw in launches if name == "compact_rows_kernel"}
     assert rows == {48, 1}  # hidden states and token ids
     assert sum(name == "compact_kv_kernel" for name, _ in launches) == 2 * len(groups)
     for caches, saved in zip(groups, before):
@@ -90,7 +76,7 @@ def test_tree_attention_warm_up_runs_both_split_variants_and_reads_only(monkeypa
 
     seen: list = []
     for name in ("tree_attention_kernel", "merge_splits_kernel"):
-        monkeypatch.setattr(triton_tree, name, Recorder(name, getattr(triton_tree, name), seen))
+        monkeypatch.setattr(triton_tree, name, KernelRecorder(getattr(triton_tree, name), seen))
     gen = torch.Generator().manual_seed(1)
     caches = make_caches(2, 3, 2, 16, 2 * 32, torch.bfloat16, gen)
     before = [c.clone() for c in caches]
@@ -100,7 +86,7 @@ def test_tree_attention_warm_up_runs_both_split_variants_and_reads_only(monkeypa
 
     warmup.warm_up_tree_attention(layers, torch.bfloat16, width, buffer[:1])
 
-    splits = [dict(kw)["SPLIT"] for name, kw in seen if name == "tree_attention_kernel"]
+    splits = [kw["SPLIT"] for name, kw in seen if name == "tree_attention_kernel"]
     assert splits == [False, True]  # alike layers, batch 1: one shape, one tile config
     assert sum(name == "merge_splits_kernel" for name, _ in seen) == 1
     for cache, old in zip(caches, before):
@@ -116,8 +102,7 @@ def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypat
 
     seen: list = []
     monkeypatch.setattr(triton_tree, "tree_attention_kernel",
-                        Recorder("tree_attention_kernel", triton_tree.tree_attention_kernel,
-                                 seen))
+                        KernelRecorder(triton_tree.tree_attention_kernel, seen))
     gen = torch.Generator().manual_seed(2)
     cache, = make_caches(1, 3, 2, 16, 2 * 32, torch.bfloat16, gen)
     width, max_num_reqs, num_heads, num_kv_heads = 17, 40, 8, 2
@@ -126,8 +111,7 @@ def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypat
 
     warmup.warm_up_tree_attention(layers, torch.bfloat16, width, buffer[:1], max_num_reqs)
 
-    launched = {(kw["BLOCK_M"], kw["BLOCK_N"], kw["SPLIT"])
-                for kw in (dict(k) for _, k in seen)}
+    launched = {(kw["BLOCK_M"], kw["BLOCK_N"], kw["SPLIT"]) for _, kw in seen}
     wanted = {pick_tile_config(32, num_heads // num_kv_heads, torch.bfloat16, width,
                                n * num_kv_heads, 132)
               for n in range(1, max_num_reqs + 1)}

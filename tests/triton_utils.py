@@ -33,3 +33,22 @@ def poisoned_empty(orig):
         return out.fill_(float("nan") if out.is_floating_point() else -7)
 
     return empty
+
+
+class KernelRecorder:
+    """Stands in for a Triton kernel: each ``kernel[grid](*args, **kwargs)`` appends
+    ``(kernel name, {argument name: value})`` to ``calls`` (positional arguments named
+    from the kernel's signature), then launches the kernel unless ``launch`` is false."""
+
+    def __init__(self, kernel, calls: list, launch: bool = True):
+        self.kernel, self.calls, self.launch = kernel, calls, launch
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            self.calls.append((self.kernel.__name__,
+                               {**dict(zip(self.kernel.arg_names, args)), **kwargs}))
+            if self.launch:
+                return self.kernel[grid](*args, **kwargs)
+            return None
+
+        return record
