@@ -50,6 +50,23 @@ def gpu_qwen3(tiny_models_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_float32(gpu_qwen3: Path):
+    """transformers' float32 greedy decoding of ``gpu_qwen3`` on the CPU, the CUDA
+    tests' oracle (tests/gpu_utils.hf_greedy_oracle)."""
+    from tests.gpu_utils import hf_greedy_oracle
+
+    return hf_greedy_oracle(gpu_qwen3)
+
+
+@pytest.fixture
+def v1_runner_and_sync_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the CUDA tests: every engine on the V1 runner (DDTree's) and the plugin's
+    host-sync check on (``VLLM_DDTREE_CHECK_SYNC``)."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setenv("VLLM_DDTREE_CHECK_SYNC", "1")
+
+
+@pytest.fixture(scope="session")
 def make_drafter(tiny_models_dir: Path) -> Callable[..., Path]:
     """``make_drafter(target_dir, block_size, mode="random", num_layers=1)`` returns
     the directory of a DFlash drafter for that target, built once per arguments.

@@ -23,12 +23,6 @@ FLOAT32_NEAR_TIE = 1e-3
 BF16_NEAR_TIE = 0.25  # two bf16 steps of a logit in [16, 32)
 
 
-def use_v1_runner_and_sync_check(monkeypatch) -> None:
-    """Every engine on the V1 runner (DDTree's) and the plugin's host-sync check on."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    monkeypatch.setenv("VLLM_DDTREE_CHECK_SYNC", "1")
-
-
 def gpu_llm(model, speculative_config=None, *, graphs: bool, **kw):
     return make_llm(
         str(model), speculative_config, enforce_eager=not graphs, **{**GPU_KW, **kw}

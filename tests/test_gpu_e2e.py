@@ -42,23 +42,17 @@ from tests.gpu_utils import (
     assert_identical_or_near_tie,
     gpu_llm,
     greedy_with_top2,
-    hf_greedy_oracle,
-    use_v1_runner_and_sync_check,
 )
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
+    pytest.mark.usefixtures("v1_runner_and_sync_check"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
 BLOCK = 8
 BUDGETS = [1, 7, 8, 16, 17, 31, 64]
-
-
-@pytest.fixture(autouse=True)
-def v1_runner_and_sync_check(monkeypatch):
-    use_v1_runner_and_sync_check(monkeypatch)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["eager", "graphs"])
@@ -72,11 +66,6 @@ def reference(request, gpu_qwen3):
     finally:
         shutdown(llm)
     return graphs, dict(zip(ids, [o[0] for o in outputs])), outputs, ids
-
-
-@pytest.fixture(scope="module")
-def hf_float32(gpu_qwen3):
-    return hf_greedy_oracle(gpu_qwen3)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

@@ -28,13 +28,12 @@ from tests.gpu_utils import (
     assert_identical_or_near_tie,
     gpu_llm,
     greedy_with_top2,
-    hf_greedy_oracle,
-    use_v1_runner_and_sync_check,
 )
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
+    pytest.mark.usefixtures("v1_runner_and_sync_check"),
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
 
@@ -43,11 +42,6 @@ pytestmark = [
 # DFlash chain included (non-speculative engines captured fine): NCCL's all-reduce here.
 TP = {"tensor_parallel_size": 2, "disable_custom_all_reduce": True}
 BLOCK = 8
-
-
-@pytest.fixture(autouse=True)
-def v1_runner_and_sync_check(monkeypatch):
-    use_v1_runner_and_sync_check(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +53,6 @@ def tp_reference(gpu_qwen3):
         return prompt_ids(llm, PROMPTS16), greedy_with_top2(llm, PROMPTS16)
     finally:
         shutdown(llm)
-
-
-@pytest.fixture(scope="module")
-def hf_float32(gpu_qwen3):
-    return hf_greedy_oracle(gpu_qwen3)
 
 
 @pytest.mark.parametrize("budget, cap", [(16, 4), (31, None)])
