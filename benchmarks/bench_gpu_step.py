@@ -524,14 +524,23 @@ def run_tree_ops(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def engine_ops_ms(row: dict) -> float | None:
+    """The tree ops as the engine runs them on CUDA: the build replays a CUDA graph
+    (vllm_ddtree/tree_graph.py), the walk and the compaction launch eagerly."""
+    parts = [row.get(k) for k in ("build_graph_ms", "walk_eager_ms", "compact_eager_ms")]
+    return None if any(p is None for p in parts) else sum(parts)
+
+
 def add_shares(ops_rows: list[dict], records: list[dict]) -> None:
-    """Tree-ops time as a percentage of the DDTree step measured in vLLM."""
+    """Tree-ops time as a percentage of the DDTree step measured in vLLM: all in one
+    graph, all eager, and as the engine runs them."""
     steps = {(r["budget"], row["batch"]): row["ms_per_step"] for r in records
              if r["method"] == "ddtree" for row in r["rows"] if "ms_per_step" in row}
     for row in ops_rows:
         step = steps.get((row["budget"], row["batch"]))
         row["ddtree_step_ms"] = step
-        for mode in ("graph", "eager"):
+        row["ops_engine_ms"] = engine_ops_ms(row)
+        for mode in ("graph", "eager", "engine"):
             ops = row.get(f"ops_{mode}_ms")
             ok = step is not None and ops is not None and not math.isnan(step) and step > 0
             row[f"share_{mode}_pct"] = 100 * ops / step if ok else None
@@ -575,12 +584,15 @@ def step_table(records: list[dict]) -> str:
 
 
 def share_table(ops_rows: list[dict]) -> str:
-    lines = ["| batch | budget | DDTree ms/step | ops ms (graph) | share | ops ms (eager) "
-             "| share | build | walk | compact (graph ms) | note |", "|" + "---|" * 11]
+    lines = ["| batch | budget | DDTree ms/step | ops ms (as run) | share "
+             "| ops ms (graph) | share | ops ms (eager) "
+             "| share | build | walk | compact (graph ms) | note |", "|" + "---|" * 13]
     for row in ops_rows:
         g, e = row.get("share_graph_pct"), row.get("share_eager_pct")
+        r = row.get("share_engine_pct")
         lines.append(
             f"| {row['batch']} | {row['budget']} | {fmt(row.get('ddtree_step_ms'), '.3f')} "
+            f"| {fmt(row.get('ops_engine_ms'), '.3f')} | {fmt(r, '.1f')}{' %' if r else ''} "
             f"| {fmt(row.get('ops_graph_ms'), '.3f')} | {fmt(g, '.1f')}{' %' if g else ''} "
             f"| {fmt(row.get('ops_eager_ms'), '.3f')} | {fmt(e, '.1f')}{' %' if e else ''} "
             f"| {fmt(row.get('build_graph_ms'), '.3f')} | {fmt(row.get('walk_graph_ms'), '.3f')} "
@@ -685,7 +697,8 @@ def fake_tree_ops(args: argparse.Namespace) -> list[dict]:
         raise RuntimeError("bench_tree_ops.measure_ops is gone; update run_tree_ops")
     return [{"batch": b, "budget": k, "ops_graph_ms": 1.3 + 0.07 * b,
              "ops_eager_ms": 5.0 + 0.08 * b, "build_graph_ms": 0.3 + 0.07 * b,
-             "walk_graph_ms": 0.3, "compact_graph_ms": 0.7}
+             "walk_graph_ms": 0.3, "compact_graph_ms": 0.7, "walk_eager_ms": 2.4,
+             "compact_eager_ms": 2.3}
             for b in args.batches for k in args.budgets]
 
 

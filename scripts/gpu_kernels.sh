@@ -1,7 +1,7 @@
 #!/bin/bash
 # Device side: the DDTree step's Triton kernels against their torch twins on the GPU,
-# then (SANITIZE_TIMEOUT > 0) a memcheck pass of compute-sanitizer over the kernels added
-# since the last sanitized run. Needs torch + Triton only (the vLLM kit's /root/site
+# then (SANITIZE_TIMEOUT > 0) a memcheck pass of compute-sanitizer over the kernels changed
+# or added since the last sanitized run (MEMCHECK_TESTS names their test files). Needs torch + Triton only (the vLLM kit's /root/site
 # provides them on the lent H200); results go to $OUT (or ./gpu-out).
 #   bash scripts/gpu_kernels.sh            # kernel tests, then memcheck (default 100 s)
 set -uo pipefail
@@ -9,7 +9,7 @@ out=${OUT:-gpu-out}; mkdir -p "$out"
 [ -d /root/site ] && export PYTHONPATH=/root/site:$PWD || export PYTHONPATH=$PWD
 kernels="tests/test_topk_triton.py tests/test_tree.py tests/test_tree_triton.py
   tests/test_step_tree_triton.py tests/test_verify_triton.py tests/test_compact_rows_triton.py
-  tests/test_kv_move_triton.py tests/test_warmup.py"
+  tests/test_kv_move_triton.py tests/test_warmup.py tests/test_tree_graph.py"
 python3 -m pytest -q -p no:cacheprovider --noconftest -n "${WORKERS:-4}" $kernels 2>&1 \
   | tee "$out/gpu_kernels.log" | tail -4
 rc=${PIPESTATUS[0]}; echo "kernel tests exit code: $rc"
@@ -19,7 +19,7 @@ if [ "${SANITIZE_TIMEOUT:-100}" -gt 0 ]; then
   # Graph capture is left out: memcheck does not follow kernels into graph replays.
   timeout "${SANITIZE_TIMEOUT:-100}" "$cs" --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider --noconftest -x -k "not graph" \
-    tests/test_topk_triton.py tests/test_compact_rows_triton.py tests/test_kv_move_triton.py \
+    ${MEMCHECK_TESTS:-tests/test_tree_triton.py tests/test_step_tree_triton.py} \
     2>&1 | tee "$out/memcheck.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -6
   echo "memcheck exit code: ${PIPESTATUS[0]} (124: cut at ${SANITIZE_TIMEOUT:-100} s)"
 fi

@@ -50,3 +50,17 @@ def test_a_one_time_cost_in_the_short_call_is_flagged():
     assert row["suspect"].startswith("suspect: 1 of 1 pairs")
     assert "suspect" in bench.step_table([{"runner": "v1", "method": "ddtree", "budget": 16,
                                            "error": None, "rows": [row]}])
+
+
+def test_plugin_share_as_the_engine_runs_it():
+    """The engine replays the build from a CUDA graph and launches the walk and the
+    compaction eagerly: the share it reports adds exactly those three."""
+    ops = [{"batch": 1, "budget": 16, "ops_graph_ms": 0.1, "ops_eager_ms": 1.0,
+            "build_graph_ms": 0.11, "walk_eager_ms": 0.09, "compact_eager_ms": 0.25,
+            "walk_graph_ms": 0.02, "compact_graph_ms": 0.02}]
+    records = [{"runner": "v1", "method": "ddtree", "budget": 16,
+                "rows": [{"batch": 1, "ms_per_step": 10.0}]}]
+    bench.add_shares(ops, records)
+    assert abs(ops[0]["ops_engine_ms"] - 0.45) < 1e-9
+    assert abs(ops[0]["share_engine_pct"] - 4.5) < 1e-9
+    assert "| 0.450 | 4.5 % |" in bench.share_table(ops)

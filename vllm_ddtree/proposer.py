@@ -13,11 +13,15 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sync import step_phase
 from vllm_ddtree.tree import DDTree, build_ddtree
+from vllm_ddtree.tree_graph import TreeBuildGraphs
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,6 +42,15 @@ class DDTreeProposer(DFlashProposer):
         self.runner = runner
         self.last_tree: DDTree | None = None
         self._draft_logprobs: torch.Tensor | None = None
+        # On CUDA (unless the engine runs eagerly) the tree build replays a CUDA graph.
+        self.tree_graphs: TreeBuildGraphs | None = None
+        if torch.device(device).type == "cuda" and not vllm_config.model_config.enforce_eager:
+            self.tree_graphs = TreeBuildGraphs(
+                ddtree.budget, ddtree.topk_cap, ddtree.max_depth, ddtree.vocab_size,
+                vllm_config.scheduler_config.max_num_seqs, torch.device(device),
+            )
+            logger.info("DDTree tree build: one CUDA graph per batch of 1 to %d requests "
+                        "(captured at first use), eager above.", self.tree_graphs.max_reqs)
 
     def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any):
         if num_speculative_tokens == 0:
@@ -52,9 +65,12 @@ class DDTreeProposer(DFlashProposer):
         # [num_reqs, max_depth, vocab]: row d is log q_{d+1}.
         logprobs = logprobs.view(num_reqs, self.ddtree.max_depth, -1)
         with step_phase("ddtree.build_tree", logprobs.device):
-            tree = build_ddtree(
-                logprobs, next_token_ids, self.ddtree.budget, self.ddtree.topk_cap
-            )
+            if self.tree_graphs is not None and self.tree_graphs.holds(logprobs):
+                tree = self.tree_graphs.build(num_reqs, next_token_ids)
+            else:
+                tree = build_ddtree(
+                    logprobs, next_token_ids, self.ddtree.budget, self.ddtree.topk_cap
+                )
         self.last_tree = tree
         # Draft tokens in node order: depth-major, parents before children.
         return tree.tokens[:, 1:]
@@ -66,7 +82,12 @@ class DDTreeProposer(DFlashProposer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.model.compute_logits(hidden_states)
         vocab = self.ddtree.vocab_size
-        self._draft_logprobs = logits[:, :vocab].float().log_softmax(dim=-1)
+        # Straight into the tree-build graph's input buffer where one serves this batch.
+        num_reqs, rest = divmod(logits.shape[0], self.ddtree.max_depth)
+        out = (self.tree_graphs.logprobs_out(num_reqs)
+               if self.tree_graphs is not None and rest == 0 else None)
+        self._draft_logprobs = torch.log_softmax(logits[:, :vocab], dim=-1,
+                                                 dtype=torch.float32, out=out)
         return logits.argmax(dim=-1), None
 
 

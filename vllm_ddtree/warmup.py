@@ -80,8 +80,9 @@ def warm_up_step_kernels(
     # interpreter, in the tests) the Triton path too.
     tree = build_ddtree(logprobs, torch.zeros(1, **i64), ddtree.budget, ddtree.topk_cap,
                         use_triton=None if device.type == "cuda" else True)
-    for drafted in (None, tree):
-        num_drafts = ddtree.budget if drafted is not None else 0
+    # The first decode step (no tree yet), a step whose drafts were all trimmed while
+    # a tree exists (width 1, as near max_tokens), and a full tree step.
+    for drafted, num_drafts in ((None, 0), (tree, 0), (tree, ddtree.budget)):
         width = num_drafts + 1
         # As begin_verify_step sends them: counts and tree index in one [2, num_reqs] copy.
         host = torch.tensor([[num_drafts], [0]], **i64)
