@@ -88,3 +88,28 @@ def test_readme_tp2_table_is_the_results_file():
         assert int(tok_s) == round(r["tok_per_s"]), name
         assert float(x_plain) == round(r["tok_per_s"] / plain["tok_per_s"], 2), name
         assert float(x_chain) == round(r["tok_per_s"] / chain["tok_per_s"], 2), name
+
+
+@pytest.mark.parametrize("name,heading", [
+    ("e2e_h200_runners.json", "method               T batch    tau    tok/s  x chain  x ch-v1"),
+    ("e2e_h200_rerun.json", "method               T batch    tau    tok/s  x plain  x chain"),
+])
+def test_bench_readme_runner_tables_are_the_results_files(name, heading):
+    """benchmarks/README.md's two H200 runs of 7059217: tau, tok/s and the ratios to
+    the rows named in the heading (same temperature and batch) are the file's."""
+    res = results_rows(name)
+    rows = block_after(BENCH_README, heading)
+    words = heading.split()
+    bases = [words[6], words[8]]  # the two "x <row>" columns
+    ref = {"plain": "plain", "chain": "chain", "ch-v1": "chain-v1"}
+    assert {r[0] for r in rows} == set(res)
+    assert len(rows) == 4 * len(res)
+    for method, t, batch, tau, tok_s, *cells in rows:
+        r = next(x for x in res[method]
+                 if x["temperature"] == float(t) and x["batch"] == int(batch))
+        assert float(tau) == round(r["tau"], 2), (method, t, batch)
+        assert float(tok_s) == round(r["tok_per_s"], 1), (method, t, batch)
+        for cell, base in zip(cells[:2], bases):
+            other = next(x for x in res[ref[base]]
+                         if x["temperature"] == float(t) and x["batch"] == int(batch))
+            assert float(cell) == round(r["tok_per_s"] / other["tok_per_s"], 2), (method, base)
