@@ -54,16 +54,17 @@ def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, to
 
     names = {name for name, _ in launches}
     assert names == {name for names in KERNELS.values() for name in names}
-    step_trees = {(kw["HAS_DRAFTED"], kw["BLOCK"]): kw for name, kw in launches
+    step_trees = {(kw["HAS_DRAFTED"], kw["BLOCK"], kw["WORDS"]) for name, kw in launches
                   if name == "step_trees_kernel"}
-    # The first decode step, a tree whose drafts were all trimmed (a variant the H200's
-    # JIT monitor saw compile during inference), and a tree step.
-    full = triton_block(ddtree.verify_width)
-    assert set(step_trees) == {(False, 1), (True, 1), (True, full)}
-    assert step_trees[True, full]["WORDS"] == 1  # masks packed into the runner's buffer
+    # The first decode step, and a tree step of every variant a trimmed step can pick
+    # (width 1, all drafts trimmed, compiled during inference on the H200); the masks
+    # are packed into the runner's buffer.
+    assert step_trees == {(False, 1, 1)} | {
+        (True, triton_block(w), -(-w // 32)) for w in range(1, ddtree.verify_width + 1)}
     rows = {kw["ROW"] for name, kw in launches if name == "compact_rows_kernel"}
     assert rows == {48, 1}  # hidden states and token ids
-    assert sum(name == "compact_kv_kernel" for name, _ in launches) == 3 * len(groups)  # 3 steps
+    steps = 1 + len(warmup.step_widths(ddtree.verify_width))
+    assert sum(name == "compact_kv_kernel" for name, _ in launches) == steps * len(groups)
     for caches, saved in zip(groups, before):
         for cache, old in zip(caches, saved):
             assert torch.equal(cache.view(torch.int16), old.view(torch.int16))
@@ -71,6 +72,14 @@ def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, to
 
 def triton_block(width: int) -> int:
     return 1 << (width - 1).bit_length()
+
+
+def test_step_widths_pick_each_variant_once():
+    assert warmup.step_widths(1) == [1]
+    assert warmup.step_widths(17) == [1, 2, 3, 5, 9, 17]
+    assert warmup.step_widths(32) == [1, 2, 3, 5, 9, 17]
+    # Past 64 rows a power-of-two block spans two mask-word counts.
+    assert warmup.step_widths(100) == [1, 2, 3, 5, 9, 17, 33, 65, 97]
 
 
 def test_tree_attention_warm_up_runs_both_split_variants_and_reads_only(monkeypatch):

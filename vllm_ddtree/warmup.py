@@ -4,19 +4,20 @@ Triton compiles a kernel the first time it is launched with a new set of compile
 constants and argument specializations. Left alone, a fresh machine compiles about ten
 of the plugin's kernels during its first DDTree requests (vLLM's JIT monitor warns of
 each), a pause of several seconds. At start-up, once the KV caches exist and before
-vLLM captures its CUDA graphs, ``warm_up_step_kernels`` runs one scripted step through
+vLLM captures its CUDA graphs, ``warm_up_step_kernels`` runs scripted steps through
 every step kernel at the engine's shapes: the tree build (top-k tie repair, tree
-selection), the step's trees (with and without drafted trees, the masks packed into
-the runner's mask buffer), positions, the walk and the compaction of KV, rows and
-positions. The step accepts only its roots, so the compaction moves nothing: the KV
-caches are read and left as they were.
+selection), the step's trees (the first decode step without a tree, then a tree step
+of every width whose kernels compile another variant, as the scheduler's trimmed
+drafts can ask for; the masks packed into the runner's mask buffer), positions, the
+walk and the compaction of KV, rows and positions. Each step accepts only its root, so
+the compaction moves nothing: the KV caches are read and left as they were.
 
 ``warm_up_tree_attention`` then launches the tree-attention kernel for each distinct
 layer shape, with every tile configuration the plan can pick at this width for 1 to
 ``max_num_reqs`` requests (small batches take lighter tiles than large ones), each
 without and with a split of the keys (and the merge of the splits), on a scratch query
 over the real caches, which it only reads. vLLM's graph capture runs it too, but over
-contexts too short to split. Variants met later (a step of another width, say) still
+contexts too short to split. Variants met later (another layer layout, say) still
 compile at first use; Triton keeps every compiled kernel on disk, so each costs once
 per machine.
 """
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from vllm_ddtree.attention.kv_move_triton import compact_kv_triton
 from vllm_ddtree.attention.tree_attention_plan import (
@@ -46,7 +48,7 @@ from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.tree import build_ddtree
 from vllm_ddtree.verify_triton import walk_tree_triton
 
-__all__ = ["AttentionShape", "warm_up_step_kernels", "warm_up_tree_attention"]
+__all__ = ["AttentionShape", "step_widths", "warm_up_step_kernels", "warm_up_tree_attention"]
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,9 @@ def warm_up_step_kernels(
     mask_buffer: torch.Tensor,  # [max_num_reqs, budget + 1, words] int32, the runner's
 ) -> None:
     """Scripted DDTree steps of batch 1 through every step kernel (module docstring):
-    the first decode step after a prefill (no drafts yet: width 1, chains only), then a
-    step verifying a full drafted tree."""
+    the first decode step after a prefill (no drafts yet: width 1, chains only), then
+    steps verifying a drafted tree at each width of ``step_widths`` (the full tree
+    last)."""
     i64 = {"dtype": torch.int64, "device": device}
     # Draft: the drafter's per-depth log-probabilities, then the tree (top-k, selection).
     # A generator of its own: the warm-up leaves the engine's random state alone.
@@ -80,9 +83,11 @@ def warm_up_step_kernels(
     # interpreter, in the tests) the Triton path too.
     tree = build_ddtree(logprobs, torch.zeros(1, **i64), ddtree.budget, ddtree.topk_cap,
                         use_triton=None if device.type == "cuda" else True)
-    # The first decode step (no tree yet), a step whose drafts were all trimmed while
-    # a tree exists (width 1, as near max_tokens), and a full tree step.
-    for drafted, num_drafts in ((None, 0), (tree, 0), (tree, ddtree.budget)):
+    # The first decode step (no tree yet), then tree steps of every width that picks
+    # another compiled variant: the scheduler trims drafts (near max_tokens, say), and
+    # a step of width w compiles for BLOCK = next_power_of_2(w), WORDS = ceil(w / 32).
+    steps = [(None, 0)] + [(tree, w - 1) for w in step_widths(ddtree.verify_width)]
+    for drafted, num_drafts in steps:
         width = num_drafts + 1
         # As begin_verify_step sends them: counts and tree index in one [2, num_reqs] copy.
         host = torch.tensor([[num_drafts], [0]], **i64)
@@ -109,6 +114,16 @@ def warm_up_step_kernels(
         token_ids = torch.zeros(width, dtype=torch.int32, device=device)
         compact_rows_triton([hidden, token_ids], accepted, row_start)
         restore_chain_positions_triton(positions, row_start, num_scheduled, width)
+
+
+def step_widths(verify_width: int) -> list[int]:
+    """The narrowest step width of each compiled variant that the steps of width 1 to
+    ``verify_width`` pick (the step kernels take BLOCK = next_power_of_2(width) and
+    the masks ceil(width / 32) words)."""
+    first: dict[tuple[int, int], int] = {}
+    for width in range(1, verify_width + 1):
+        first.setdefault((triton.next_power_of_2(width), -(-width // 32)), width)
+    return sorted(first.values())
 
 
 def warm_up_tree_attention(
