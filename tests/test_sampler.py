@@ -212,7 +212,7 @@ def test_idle_builtin_processors_are_skipped_and_others_run():
     step = SimpleNamespace(num_scheduled=torch.tensor([2, 1]))
     logits = torch.zeros(5, 7)
     metadata = SimpleNamespace(
-        allowed_token_ids_mask=None, no_penalties=True, all_greedy=True,
+        allowed_token_ids_mask=None, no_penalties=True, all_greedy=True, max_num_logprobs=None,
         logitsprocs=SimpleNamespace(non_argmax_invariant=[*idle, custom], argmax_invariant=[]))
     out = sampler.process_logits(logits, rows, step, metadata)
     assert custom.calls == 3  # one [num_reqs, vocab] block per column
@@ -234,3 +234,24 @@ def test_the_walk_refuses_trees_of_another_width():
     module = sampler.DDTreeSampler(SimpleNamespace(), lambda: step)
     with pytest.raises(RuntimeError, match="4 nodes per request, but 4 drafts"):
         module(meta, None, torch.zeros(5, 10), SimpleNamespace())
+
+
+def test_greedy_batch_with_nothing_to_apply_keeps_its_raw_logits():
+    """No float32 copy of a bf16 [num_rows, vocab] block when only argmaxes are taken,
+    and the same node tokens as from the float32 logits (ties included)."""
+    rows = torch.tensor([[0, 1, 2], [3, 4, 4]])
+    step = SimpleNamespace(num_scheduled=torch.tensor([2, 1]))
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randint(0, 4, (5, 9), generator=gen).float() / 4).to(torch.bfloat16)
+    metadata = SimpleNamespace(
+        allowed_token_ids_mask=None, no_penalties=True, all_greedy=True, max_num_logprobs=None,
+        logitsprocs=SimpleNamespace(non_argmax_invariant=[], argmax_invariant=[]))
+    out = sampler.process_logits(logits, rows, step, metadata)
+    assert out is logits
+    sampling = FakeSampling(all_greedy=True, temperature=torch.zeros(2))
+    assert torch.equal(sample_node_tokens(out, rows, sampling),
+                       sample_node_tokens(logits.float(), rows, sampling))
+    metadata.max_num_logprobs = 2  # logprobs read the processed values: float32
+    assert sampler.process_logits(logits, rows, step, metadata).dtype == torch.float32
+    metadata.max_num_logprobs, metadata.all_greedy = None, False  # sampling: float32
+    assert sampler.process_logits(logits, rows, step, metadata).dtype == torch.float32

@@ -88,7 +88,9 @@ class DDTreeProposer(DFlashProposer):
                if self.tree_graphs is not None and rest == 0 else None)
         self._draft_logprobs = torch.log_softmax(logits[:, :vocab], dim=-1,
                                                  dtype=torch.float32, out=out)
-        return logits.argmax(dim=-1), None
+        # DFlash's own chain drafts (an argmax over every row) are never read: the
+        # drafts are the tree's (propose). Right shape, nothing launched.
+        return torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device), None
 
 
 def _drafter_view(vllm_config: VllmConfig, depth: int) -> VllmConfig:

@@ -284,7 +284,8 @@ def process_logits(
     step: TreeVerifyStep,
     sampling_metadata: SamplingMetadata,
 ) -> torch.Tensor:
-    """vLLM's logits processing at every tree node, in float32.
+    """vLLM's logits processing at every tree node, in float32 (a greedy batch with
+    nothing to apply and no logprobs gets its raw logits back).
 
     Per-request processors (logit bias, min tokens, min-p, custom ones) act on
     one ``[num_reqs, vocab]`` slice per node column; penalties see each node's
@@ -296,10 +297,15 @@ def process_logits(
     if not sampling_metadata.all_greedy:
         procs += list(sampling_metadata.logitsprocs.argmax_invariant)
     procs = [proc for proc in procs if not _idle(proc)]
-    out = logits.float()
     masked = sampling_metadata.allowed_token_ids_mask is not None
     if not (masked or procs or not sampling_metadata.no_penalties):
-        return out
+        # Nothing to apply. A greedy batch without logprobs only takes argmaxes,
+        # which the raw logits give alike (the float32 cast is exact and monotone):
+        # no [num_rows, vocab] float32 copy.
+        if sampling_metadata.all_greedy and sampling_metadata.max_num_logprobs is None:
+            return logits
+        return logits.float()
+    out = logits.float()
     if out is logits:
         out = out.clone()  # edited in place below; the caller's logits stay raw
     if masked or not sampling_metadata.no_penalties:
@@ -341,7 +347,7 @@ def _idle(proc) -> bool:
 
 
 def sample_node_tokens(
-    processed: torch.Tensor,  # [num_rows, vocab] float32
+    processed: torch.Tensor,  # [num_rows, vocab] float32 (raw: greedy, nothing applied)
     rows: torch.Tensor,  # [num_reqs, width]
     sampling_metadata: SamplingMetadata,
 ) -> torch.Tensor:
