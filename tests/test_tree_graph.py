@@ -57,6 +57,7 @@ def test_replays_equal_the_eager_build(budget, cap, depth, vocab):
             got, want = getattr(tree, name), getattr(expected, name)
             assert got.shape == want.shape and torch.equal(got, want), (num_reqs, name)
     assert graphs.captured_sizes == [1, 3, 6]
+    assert len({c.graph.pool() for c in graphs._graphs.values()}) == 1  # one shared pool
 
 
 @needs_cuda

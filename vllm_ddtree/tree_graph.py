@@ -6,9 +6,10 @@ spends running them (H200, batch 1, budget 16: 0.65 ms eager against 0.11 ms as 
 graph replay, ``benchmarks/results/gpu_step.json``). So on CUDA the proposer writes the
 drafter's log-probabilities straight into a persistent buffer (``logprobs_out``) and
 ``build`` replays a graph captured, the first time each number of requests is met, over
-that buffer's leading rows. The graph's outputs are reused by its next replay: a tree
-must be consumed before the next build of the same size (the runner copies what it
-needs into the step's own trees at the next verify step, before the drafter runs again).
+that buffer's leading rows. The graphs' outputs are reused by later replays (of any
+size: the graphs share one memory pool): a tree must be consumed before the next build
+(the runner copies what it needs into the step's own trees at the next verify step,
+before the drafter runs again).
 
 Batches larger than ``max_reqs`` (the buffer is capped at MAX_BUFFER_BYTES) and builds
 met during another capture run eagerly; the outputs are the same either way.
@@ -48,6 +49,11 @@ class TreeBuildGraphs:
         self._logprobs: torch.Tensor | None = None  # [max_reqs, max_depth, vocab] float32
         self._roots: torch.Tensor | None = None  # [max_reqs] int64
         self._graphs: dict[int, _Captured] = {}
+        # One memory pool for every size's graph, as vLLM shares one for its own: a
+        # replay may reuse memory of another size's graph, whose tree is consumed by
+        # then (module docstring), and a pool per size would keep at least a 2 MiB
+        # segment for each of up to max_reqs sizes.
+        self._pool = None
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -89,9 +95,11 @@ class TreeBuildGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(side):
             build_ddtree(*args)
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 tree = build_ddtree(*args)
             finally:
