@@ -90,8 +90,9 @@ class TreeBuildGraphs:
 
     def _capture(self, num_reqs: int) -> _Captured:
         args = (self._logprobs[:num_reqs], self._roots[:num_reqs], self.budget, self.topk_cap)
-        # One eager build first, on the capture's stream: kernels compiled and libraries
-        # initialised outside the capture, and this step's tree already correct.
+        # One eager build first, on the capture's stream, so kernels are compiled and
+        # libraries initialised outside the capture (which runs nothing: the replay in
+        # build computes this step's tree).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
