@@ -4,9 +4,19 @@ log-probabilities, and the near-tie rule for float32/bf16 comparisons."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.e2e_utils import PROMPTS, make_llm
+
+# Every CUDA engine test: marked gpu and slow, its DDTree engines on vLLM's V1 runner
+# with the host-sync check on (conftest's v1_runner_and_sync_check). Modules add
+# their own skip for the devices they need.
+ENGINE_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("v1_runner_and_sync_check"),
+]
 
 MAX_TOKENS = 24
 PROMPTS16 = PROMPTS + [f"{p} {p}" for p in PROMPTS]

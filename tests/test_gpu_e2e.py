@@ -36,6 +36,7 @@ from tests import scripted_drafter
 from tests.e2e_utils import PROMPTS, greedy, prompt_ids, shutdown, spec_metrics
 from tests.gpu_utils import (
     BF16_NEAR_TIE,
+    ENGINE_MARKS,
     FLOAT32_NEAR_TIE,
     MAX_TOKENS,
     PROMPTS16,
@@ -45,9 +46,7 @@ from tests.gpu_utils import (
 )
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.slow,
-    pytest.mark.usefixtures("v1_runner_and_sync_check"),
+    *ENGINE_MARKS,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 

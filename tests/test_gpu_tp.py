@@ -22,6 +22,7 @@ import torch
 from tests import scripted_drafter
 from tests.e2e_utils import greedy, prompt_ids, shutdown, spec_metrics
 from tests.gpu_utils import (
+    ENGINE_MARKS,
     FLOAT32_NEAR_TIE,
     MAX_TOKENS,
     PROMPTS16,
@@ -31,9 +32,7 @@ from tests.gpu_utils import (
 )
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.slow,
-    pytest.mark.usefixtures("v1_runner_and_sync_check"),
+    *ENGINE_MARKS,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
 
