@@ -9,7 +9,8 @@ out=${OUT:-gpu-out}; mkdir -p "$out"
 [ -d /root/site ] && export PYTHONPATH=/root/site:$PWD || export PYTHONPATH=$PWD
 kernels="tests/test_topk_triton.py tests/test_tree.py tests/test_tree_triton.py
   tests/test_step_tree_triton.py tests/test_verify_triton.py tests/test_compact_rows_triton.py
-  tests/test_kv_move_triton.py tests/test_warmup.py tests/test_tree_graph.py"
+  tests/test_kv_move_triton.py tests/test_compact_step_triton.py tests/test_warmup.py
+  tests/test_tree_graph.py tests/test_runner.py"
 python3 -m pytest -q -p no:cacheprovider --noconftest -n "${WORKERS:-4}" $kernels 2>&1 \
   | tee "$out/gpu_kernels.log" | tail -4
 rc=${PIPESTATUS[0]}; echo "kernel tests exit code: $rc"

@@ -3,6 +3,8 @@ the full-graph rules."""
 
 from __future__ import annotations
 
+import functools
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -174,3 +176,79 @@ def test_runner_warms_up_every_target_layer_shape(monkeypatch):
     assert max_num_reqs == 6  # tile configurations for every batch the engine can run
     assert [(s.num_heads, s.head_size, s.scale) for s in layers] == [(4, 8, 0.5)]  # target only
     assert (dtype, width, tuple(packed.shape)) == (torch.bfloat16, 5, (1, 5, 1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    and os.environ.get("TRITON_INTERPRET", "0") != "1",
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("aux_alike", [True, False])
+def test_compaction_takes_one_launch_where_the_layouts_fit(monkeypatch, aux_alike):
+    """On CUDA the compaction after the walk is one launch (KV of the fused group,
+    state rows, token ids, positions) when the state tensors are alike; otherwise the
+    per-part launches. Either way the result is the CPU path's."""
+    from tests.test_compact_rows_triton import batch
+    from tests.test_kv_move_triton import make_caches
+    from tests.triton_utils import DEVICE, KernelRecorder
+    from vllm_ddtree import compact_step_triton
+    from vllm_ddtree.runner import KVGroup, compact_after_walk
+
+    accepted, row_start, num_scheduled, num_rows = batch(3, 16, 15, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    slots = torch.randperm(num_rows * 2, generator=gen)[:num_rows]
+    caches = make_caches(3, num_rows * 2 // 16 + 2, 2, 16, 16, torch.bfloat16, gen)
+    aux_width = 24 if aux_alike else 40
+
+    def fresh_runner(device: str):
+        on = torch.device(DEVICE)
+        step = SimpleNamespace(walk=SimpleNamespace(accepted_nodes=accepted.to(on)),
+                               row_start=row_start.to(on), num_scheduled=num_scheduled.to(on),
+                               tree=SimpleNamespace(depths=torch.zeros(3, 17)))
+        hidden = torch.randn(num_rows, 24, generator=torch.Generator().manual_seed(1))
+        aux = torch.randn(num_rows, aux_width, generator=torch.Generator().manual_seed(2))
+        group = KVGroup(["layer.0", "layer.1", "layer.2"], None,
+                        [c.clone() for c in caches], fused=True)
+        return SimpleNamespace(
+            device=torch.device(device),
+            ddtree_state=SimpleNamespace(
+                step=step, kv_groups=[group], compaction="",
+                model_state=SimpleNamespace(
+                    hidden_states=hidden.bfloat16().to(on),
+                    aux_hidden_states=[aux.bfloat16().to(on)],
+                    slot_mappings={"layer.0": slots.to(on)})),
+            input_ids=SimpleNamespace(gpu=torch.arange(num_rows + 4, dtype=torch.int32,
+                                                       device=on)),
+            positions=torch.arange(num_rows + 4, device=on) * 3,
+        )
+
+    launched: list = []
+    monkeypatch.setattr(compact_step_triton, "compact_step_kernel",
+                        KernelRecorder(compact_step_triton.compact_step_kernel, launched))
+    fast, reference = fresh_runner("cuda"), fresh_runner("cpu")
+    monkeypatch.setattr(ddtree_runner, "compact_rows",
+                        functools.partial(ddtree_runner.compact_rows, use_triton=False))
+    monkeypatch.setattr(ddtree_runner, "restore_chain_positions",
+                        functools.partial(ddtree_runner.restore_chain_positions,
+                                          use_triton=False))
+    monkeypatch.setattr(ddtree_runner, "compact_kv_triton", reference_kv_moves)
+    compact_after_walk(fast)
+    compact_after_walk(reference)
+    assert len(launched) == (1 if aux_alike else 0)
+    for got, want in [(fast.input_ids.gpu, reference.input_ids.gpu),
+                      (fast.positions, reference.positions),
+                      *zip(fast.ddtree_state.kv_groups[0].kv_caches,
+                           reference.ddtree_state.kv_groups[0].kv_caches),
+                      (fast.ddtree_state.model_state.hidden_states,
+                       reference.ddtree_state.model_state.hidden_states),
+                      (fast.ddtree_state.model_state.aux_hidden_states[0],
+                       reference.ddtree_state.model_state.aux_hidden_states[0])]:
+        assert torch.equal(got.cpu().view(torch.uint8), want.cpu().view(torch.uint8))
+
+
+def reference_kv_moves(kv_caches, slot_mapping, accepted, row_start) -> None:
+    """compact_kv_triton's torch twin, applied in place: the plan, then the moves."""
+    from vllm_ddtree.compaction import block_slot_moves, plan_rows, plan_slots
+
+    src, dst = plan_slots(slot_mapping, plan_rows(accepted, row_start))
+    moves = block_slot_moves(src, dst, kv_caches[0].shape[2])
+    for cache in kv_caches:
+        cuda.move_kv_slots(cache, moves)

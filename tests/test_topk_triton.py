@@ -33,6 +33,7 @@ def tied_logprobs(num_reqs: int, depth: int, vocab: int, k: int, gen: torch.Gene
 
 @pytest.mark.parametrize("vocab,k", [
     (1, 1), (5, 1), (5, 4), (5, 5), (40, 7), (300, 16), (1500, 1), (1500, 64), (2100, 33),
+    (10_000, 3),  # several scan blocks
 ])
 def test_kernel_matches_torch(vocab: int, k: int):
     gen = torch.Generator().manual_seed(vocab * 7 + k)
@@ -52,3 +53,14 @@ def test_rows_without_crossing_ties_are_left_to_the_sort():
     vals, ids = topk_per_depth(lp.to(DEVICE), 3, use_triton=True)
     assert ids.cpu().tolist() == [[[2, 7, 9]]]
     assert vals.cpu().tolist() == [[[-1.0, -1.0, -1.0]]]
+
+
+def test_tied_ids_spread_over_scan_blocks_take_their_ranks():
+    """The lowest tied ids lie in different blocks of the scan (4096 entries each),
+    a later block's ids ranked after the earlier blocks' counts."""
+    lp = torch.full((1, 1, 10_000), -5.0)
+    lp[0, 0, [9500, 5000, 200, 9000]] = -1.0  # four tied, three kept: 200, 5000, 9000
+    lp[0, 0, 7000] = -0.5  # the best token, alone
+    vals, ids = topk_per_depth(lp.to(DEVICE), 4, use_triton=True)
+    assert ids.cpu().tolist() == [[[7000, 200, 5000, 9000]]]
+    assert vals.cpu().tolist() == [[[-0.5, -1.0, -1.0, -1.0]]]

@@ -23,8 +23,9 @@ from vllm_ddtree.compact_rows_triton import (
     compact_rows_kernel,
     tree_positions_kernel,
 )
+from vllm_ddtree.compact_step_triton import compact_step_kernel
 from vllm_ddtree.step_tree_triton import step_trees_kernel
-from vllm_ddtree.topk_triton import repair_ties_kernel
+from vllm_ddtree.topk_triton import count_ties_kernel, repair_ties_kernel
 from vllm_ddtree.tree_triton import select_tree_kernel
 from vllm_ddtree.verify_triton import walk_tree_kernel
 
@@ -45,10 +46,22 @@ STEP_TREES = ("tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_p
               "num_scheduled_ptr:*i64", "width:i32", "num_drafts:i32", "row_stride:i32",
               "mask_stride_r:i32", "mask_stride_i:i32", "packed_ptr:*i32",
               "packed_stride_r:i32", "packed_stride_i:i32")
+COMPACT_STEP = ("cache_ptr:*i16", "layer_offset_ptr:*i64", "slot_ptr:*i64", "num_tokens:i32",
+                "stride_block:i32", "stride_head:i32", "stride_slot:i32", "state_ptr:*bf16",
+                "state_offset_ptr:*i64", "num_rows:i32", "row_stride:i32", "ids_ptr:*i32",
+                "num_ids:i32", "positions_ptr:*i64", "num_scheduled_ptr:*i64",
+                "accepted_ptr:*i64", "row_start_ptr:*i64", "path_width:i32", "num_layers:i32",
+                "num_states:i32")
+COMPACT_STEP_C = {"PAGE_SIZE": 16, "NUM_KV_HEADS": 8, "HEADS_PAD": 8, "KV_ROW": 256,
+                  "KV_ROW_PAD": 256, "ROW": 4096, "ROW_BLOCK": 1024, "POS_BLOCK": 32}
 CASES = {
+    "count_ties": (count_ties_kernel, sig(
+        "rows_ptr:*fp32", "vals_ptr:*fp32", "counts_ptr:*i32", "vocab:i32", "floor:fp32",
+        "num_blocks:i32", K=16, TAKEN=17, BLOCK=4096)),
     "repair_ties": (repair_ties_kernel, sig(
-        "rows_ptr:*fp32", "vals_ptr:*fp32", "ids_ptr:*i64", "run_start_ptr:*i64", "vocab:i32",
-        "floor:fp32", K=16, TAKEN=17, BLOCK=1024)),
+        "rows_ptr:*fp32", "vals_ptr:*fp32", "counts_ptr:*i32", "vocab:i32", "floor:fp32",
+        "num_blocks:i32", "ids_ptr:*i64", "run_start_ptr:*i64", K=16, TAKEN=17, BLOCK=4096,
+        BLOCKS_PAD=64)),
     "compact_rows_hidden": (compact_rows_kernel, sig(
         "base_ptr:*bf16", "offset_ptr:*i64", "accepted_ptr:*i64", "row_start_ptr:*i64",
         "num_rows:i32", "width:i32", "row_stride:i32", ROW=4096, BLOCK=1024)),
@@ -65,6 +78,9 @@ CASES = {
         "row_start_ptr:*i64", "num_tokens:i32", "width:i32", "stride_block:i32",
         "stride_head:i32", "stride_slot:i32", PAGE_SIZE=16, NUM_KV_HEADS=8, HEADS_PAD=8,
         ROW=256, ROW_PAD=256)),
+    "compact_step": (compact_step_kernel, sig(*COMPACT_STEP, HAS_KV=True, **COMPACT_STEP_C)),
+    "compact_step_no_kv": (compact_step_kernel, sig(*COMPACT_STEP, HAS_KV=False,
+                                                    **COMPACT_STEP_C)),
     "step_trees_packed": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=True, BLOCK=32,
                                                  WORDS=1)),
     "step_trees_chains_wide": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=False,

@@ -16,13 +16,14 @@ from vllm_ddtree.config import DDTreeConfig
 pytestmark = [pytest.mark.gpu, needs_kernel]
 
 KERNELS = {  # module: kernel names the warm-up must launch
-    "vllm_ddtree.topk_triton": ["repair_ties_kernel"],
+    "vllm_ddtree.topk_triton": ["count_ties_kernel", "repair_ties_kernel"],
     "vllm_ddtree.tree_triton": ["select_tree_kernel"],
     "vllm_ddtree.step_tree_triton": ["step_trees_kernel"],
     "vllm_ddtree.compact_rows_triton": ["compact_rows_kernel", "chain_positions_kernel",
                                         "tree_positions_kernel"],
     "vllm_ddtree.verify_triton": ["walk_tree_kernel"],
     "vllm_ddtree.attention.kv_move_triton": ["compact_kv_kernel"],
+    "vllm_ddtree.compact_step_triton": ["compact_step_kernel"],
 }
 
 
@@ -38,14 +39,15 @@ def launches(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("budget,topk_cap,block_size", [(16, 4, 8), (7, None, 16), (1, 1, 4)])
+@pytest.mark.parametrize("budget,topk_cap,block_size,num_groups",
+                         [(16, 4, 8, 1), (7, None, 16, 2), (1, 1, 4, 1)])
 def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, topk_cap,
-                                                             block_size):
+                                                             block_size, num_groups):
     ddtree = DDTreeConfig(budget=budget, topk_cap=topk_cap, block_size=block_size,
                           vocab_size=300)
     gen = torch.Generator().manual_seed(0)
     groups = [make_caches(3, 4, 2, 16, 64, torch.bfloat16, gen),
-              make_caches(2, 4, 1, 16, 32, torch.float16, gen)]
+              make_caches(2, 4, 1, 16, 32, torch.float16, gen)][:num_groups]
     before = [[c.clone() for c in caches] for caches in groups]
     buffer = mask_buffer(4, ddtree.verify_width, torch.device(DEVICE))
 
@@ -65,6 +67,13 @@ def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, to
     assert rows == {48, 1}  # hidden states and token ids
     steps = 1 + len(warmup.step_widths(ddtree.verify_width))
     assert sum(name == "compact_kv_kernel" for name, _ in launches) == steps * len(groups)
+    # The one-launch compaction as the runner takes it: with the KV of a single fused
+    # group (more groups move by group), at every positions block a step width picks.
+    one_launch = [kw for name, kw in launches if name == "compact_step_kernel"]
+    assert {kw["HAS_KV"] for kw in one_launch} == {num_groups == 1}
+    assert {kw["POS_BLOCK"] for kw in one_launch} == {
+        triton_block(max(w, 2)) for w in range(1, ddtree.verify_width + 1)}
+    assert {kw["ROW"] for kw in one_launch} == {48}
     for caches, saved in zip(groups, before):
         for cache, old in zip(caches, saved):
             assert torch.equal(cache.view(torch.int16), old.view(torch.int16))

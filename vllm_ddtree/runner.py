@@ -28,6 +28,7 @@ from vllm_ddtree.attention.state import (
     mask_buffer,
     packed_view,
 )
+from vllm_ddtree.compact_step_triton import compact_step_triton, rows_alike
 from vllm_ddtree.compaction import (
     compact_rows,
     plan_rows,
@@ -68,6 +69,8 @@ class DDTreeRunnerState:
     mask_buffer: torch.Tensor | None = None
     # The target's KV-cache layers by group, found at the first compaction.
     kv_groups: list[KVGroup] | None = None
+    # How the last compaction ran ("one launch" or "by part"), logged when it changes.
+    compaction: str = ""
 
 
 def install(runner: GPUModelRunner) -> None:
@@ -187,15 +190,50 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
     if step is None or step.walk is None or model_state is None:
         return
     accepted, row_start = step.walk.accepted_nodes, step.row_start
+    groups = [(group, slot_mapping) for group in _kv_groups(runner)
+              if (slot_mapping := _layer_slot_mapping(model_state.slot_mappings,
+                                                      group.layer_names[0])) is not None]
+    # Rows the drafter reads as context: hidden states, aux states, token ids.
+    states = [model_state.hidden_states, *(model_state.aux_hidden_states or [])]
+    width = step.tree.depths.shape[1]
 
-    # 1. KV of every target attention layer: node slots -> chain slots. Layers
-    #    of one KV-cache group share a slot mapping, so each group's layers move
-    #    together (one launch on CUDA, the kernel planning the moves itself).
+    # On CUDA, one launch moves the KV of every layer of a fused group, the state
+    # rows and token ids, and puts the positions back in chain order
+    # (compact_step_triton); other layouts take the per-part steps below.
+    fused = [(g, sm) for g, sm in groups if g.fused]
+    one_launch = runner.device.type == "cuda" and len(fused) <= 1 and rows_alike(states)
+    _log_compaction(state, "one launch" if one_launch else "by part", len(fused), states)
+    if one_launch:
+        kv_caches, slot_mapping = (fused[0][0].kv_caches, fused[0][1]) if fused else (None, None)
+        compact_step_triton(kv_caches, slot_mapping, states, runner.input_ids.gpu,
+                            runner.positions, accepted, row_start, step.num_scheduled, width)
+        _move_kv_groups([(g, sm) for g, sm in groups if not g.fused], accepted, row_start)
+        return
+
+    # 1. KV of every target attention layer: node slots -> chain slots.
+    _move_kv_groups(groups, accepted, row_start)
+    # 2. Rows the drafter reads as context.
+    compact_rows([*states, runner.input_ids.gpu], accepted, row_start)
+    # 3. Positions back to chain order: row start + i sits at root + i.
+    restore_chain_positions(runner.positions, row_start, step.num_scheduled, width)
+
+
+def _log_compaction(state: DDTreeRunnerState, how: str, num_fused: int,
+                    states: list[torch.Tensor]) -> None:
+    if how != state.compaction:
+        state.compaction = how
+        logger.info("DDTree compaction: %s (%d KV group(s) in one launch, %d state "
+                    "tensor(s) of shape %s).", how, num_fused, len(states),
+                    [tuple(t.shape) for t in states])
+
+
+def _move_kv_groups(groups: list[tuple[KVGroup, torch.Tensor]], accepted: torch.Tensor,
+                    row_start: torch.Tensor) -> None:
+    """KV moves group by group. Layers of one KV-cache group share a slot mapping, so
+    each group's layers move together (one launch on CUDA, the kernel planning the
+    moves itself; else the backend's moves after the plan)."""
     plan = None
-    for group in _kv_groups(runner):
-        slot_mapping = _layer_slot_mapping(model_state.slot_mappings, group.layer_names[0])
-        if slot_mapping is None:
-            continue
+    for group, slot_mapping in groups:
         if group.fused:
             compact_kv_triton(group.kv_caches, slot_mapping, accepted, row_start)
             continue
@@ -206,16 +244,6 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
         group.backend.move_kv_slots_layers(
             group.kv_caches, src.view(num_reqs, -1), dst.view(num_reqs, -1)
         )
-
-    # 2. Rows the drafter reads as context: hidden states and token ids.
-    tensors = [model_state.hidden_states, runner.input_ids.gpu]
-    tensors += list(model_state.aux_hidden_states or [])
-    compact_rows(tensors, accepted, row_start)
-
-    # 3. Positions back to chain order: row start + i sits at root + i.
-    restore_chain_positions(
-        runner.positions, row_start, step.num_scheduled, step.tree.depths.shape[1]
-    )
 
 
 @dataclass

@@ -11,9 +11,14 @@ search: about a gigabyte of traffic per step at batch 32 for a 151936-token
 vocabulary). Here one torch.topk takes k + 1 values: a row needs repair only when the
 (k + 1)-th clamped value equals the k-th, since otherwise every token of that value is
 already among the k. Rows that need none return at once; the others scan the
-vocabulary for the lowest ids of that value (one program per row, stopping its work
-once it has them). The top-k itself and the ordering inside runs of equal values
-stay in tree.topk_per_depth, shared by both paths.
+vocabulary for the lowest ids of that value in two launches over (row, vocabulary
+block) programs: the first counts each block's tied tokens, the second sums the
+counts of the blocks before its own and, if fewer than the ids needed came before,
+writes its tied ids at their ranks. (One program per row scanning the vocabulary
+alone took 0.09 ms of a batch-1 H200 step when a drafter's bf16 logits tie, as a
+flat distribution's do: ``benchmarks/results/gpu_profile.json``.) The top-k itself
+and the ordering inside runs of equal values stay in tree.topk_per_depth, shared by
+both paths.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from vllm_ddtree.triton_device import require_triton_device
 
 __all__ = ["repair_ties_triton"]
 
-_VOCAB_BLOCK = 1024  # vocabulary entries scanned per iteration
+_VOCAB_BLOCK = 4096  # vocabulary entries per program
 
 
 def repair_ties_triton(
@@ -46,37 +51,68 @@ def repair_ties_triton(
         return
     if not (vals.is_contiguous() and ids.is_contiguous() and run_start.is_contiguous()):
         raise ValueError("vals, ids and run_start must be contiguous")
-    repair_ties_kernel[(num_reqs * max_depth,)](
-        logprobs.contiguous(), vals, ids, run_start, vocab, floor,
-        K=k, TAKEN=k + 1, BLOCK=min(triton.next_power_of_2(vocab), _VOCAB_BLOCK),
-    )
+    rows = logprobs.contiguous()
+    block = min(triton.next_power_of_2(vocab), _VOCAB_BLOCK)
+    num_blocks = triton.cdiv(vocab, block)
+    grid = (num_reqs * max_depth, num_blocks)
+    counts = torch.empty(num_reqs * max_depth, num_blocks, dtype=torch.int32,
+                         device=logprobs.device)
+    args = (rows, vals, counts, vocab, floor)
+    count_ties_kernel[grid](*args, num_blocks, K=k, TAKEN=k + 1, BLOCK=block)
+    repair_ties_kernel[grid](*args, num_blocks, ids, run_start, K=k, TAKEN=k + 1,
+                             BLOCK=block, BLOCKS_PAD=triton.next_power_of_2(num_blocks))
 
 
-@triton.jit(do_not_specialize=["vocab", "floor"])
-def repair_ties_kernel(
+@triton.jit(do_not_specialize=["vocab", "floor", "num_blocks"])
+def count_ties_kernel(
     rows_ptr,  # [num_rows, vocab] float32 log-probabilities
     vals_ptr,  # [num_rows, TAKEN] float32 clamped top values, descending
-    ids_ptr,  # [num_rows, TAKEN] int64 their ids (rewritten where ties cross slot K - 1)
-    run_start_ptr,  # [num_rows, K] int64 first slot of each slot's value
+    counts_ptr,  # [num_rows, num_blocks] int32 (out): tokens of the k-th value per block
     vocab,
     floor,
+    num_blocks,
     K: tl.constexpr,
     TAKEN: tl.constexpr,  # K + 1
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    kth = tl.load(vals_ptr + row * TAKEN + K - 1)
+    if tl.load(vals_ptr + row * TAKEN + K) == kth:  # a tie crosses the k-th slot
+        at = block * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(rows_ptr + row * vocab + at, mask=at < vocab, other=0.0)
+        hit = (tl.minimum(tl.maximum(x, floor), 0.0) == kth) & (at < vocab)
+        tl.store(counts_ptr + row * num_blocks + block, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit(do_not_specialize=["vocab", "floor", "num_blocks"])
+def repair_ties_kernel(
+    rows_ptr,  # [num_rows, vocab] float32 log-probabilities
+    vals_ptr,  # [num_rows, TAKEN] float32 clamped top values, descending
+    counts_ptr,  # [num_rows, num_blocks] int32 from count_ties_kernel (rows with a tie)
+    vocab,
+    floor,
+    num_blocks,
+    ids_ptr,  # [num_rows, TAKEN] int64 their ids (rewritten where ties cross slot K - 1)
+    run_start_ptr,  # [num_rows, K] int64 first slot of each slot's value
+    K: tl.constexpr,
+    TAKEN: tl.constexpr,  # K + 1
+    BLOCK: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,  # power of 2 >= num_blocks
+):
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
     kth = tl.load(vals_ptr + row * TAKEN + K - 1)
     if tl.load(vals_ptr + row * TAKEN + K) == kth:  # a tie crosses the k-th slot
         first = tl.load(run_start_ptr + row * K + K - 1)  # slots first .. K-1 hold kth
         need = K - first  # that many lowest ids of value kth, ascending
-        cols = tl.arange(0, BLOCK)
-        found = first * 0
-        for start in range(0, vocab, BLOCK):
-            if found < need:
-                at = start + cols
-                x = tl.load(rows_ptr + row * vocab + at, mask=at < vocab, other=0.0)
-                hit = (tl.minimum(tl.maximum(x, floor), 0.0) == kth) & (at < vocab)
-                rank = found + tl.cumsum(hit.to(tl.int32), axis=0).to(tl.int64) - 1
-                tl.store(ids_ptr + row * TAKEN + first + rank, at.to(tl.int64),
-                         mask=hit & (rank < need))
-                found += tl.sum(hit.to(tl.int32), axis=0).to(tl.int64)
+        earlier = tl.arange(0, BLOCKS_PAD)
+        before = tl.sum(tl.load(counts_ptr + row * num_blocks + earlier,
+                                mask=earlier < block, other=0), axis=0).to(tl.int64)
+        if before < need:
+            at = block * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(rows_ptr + row * vocab + at, mask=at < vocab, other=0.0)
+            hit = (tl.minimum(tl.maximum(x, floor), 0.0) == kth) & (at < vocab)
+            rank = before + tl.cumsum(hit.to(tl.int32), axis=0).to(tl.int64) - 1
+            tl.store(ids_ptr + row * TAKEN + first + rank, at.to(tl.int64),
+                     mask=hit & (rank < need))

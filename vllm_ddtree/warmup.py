@@ -9,8 +9,8 @@ every step kernel at the engine's shapes: the tree build (top-k tie repair, tree
 selection), the step's trees (the first decode step without a tree, then a tree step
 of every width whose kernels compile another variant, as the scheduler's trimmed
 drafts can ask for; the masks packed into the runner's mask buffer), positions, the
-walk and the compaction of KV, rows and positions. Each step accepts only its root, so
-the compaction moves nothing: the KV caches are read and left as they were.
+walk and the compaction of KV, rows and positions (in one launch, and by part). Each
+step accepts only its root, so the compaction moves nothing: the KV caches are read and left as they were.
 
 ``warm_up_tree_attention`` then launches the tree-attention kernel for each distinct
 layer shape, with every tile configuration the plan can pick at this width for 1 to
@@ -43,6 +43,7 @@ from vllm_ddtree.compact_rows_triton import (
     restore_chain_positions_triton,
     tree_positions_triton,
 )
+from vllm_ddtree.compact_step_triton import compact_step_triton
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.tree import build_ddtree
@@ -106,12 +107,17 @@ def warm_up_step_kernels(
         if bool(walk.num_accepted.any()):
             raise RuntimeError(f"the warm-up's walk accepted more than its root: {accepted}")
 
-        # Compaction of a root-only path: nothing moves, the caches are only read.
+        # Compaction of a root-only path: nothing moves, the caches are only read. The
+        # one launch of runner.compact_after_walk (one fused KV group at most), then
+        # the per-part kernels it falls back on.
         slots = torch.arange(width, **i64)
-        for caches in kv_cache_groups:
-            compact_kv_triton(caches, slots, accepted, row_start)
         hidden = torch.zeros(width, hidden_size, dtype=hidden_dtype, device=device)
         token_ids = torch.zeros(width, dtype=torch.int32, device=device)
+        one_group = kv_cache_groups[0] if len(kv_cache_groups) == 1 else None
+        compact_step_triton(one_group, slots, [hidden], token_ids, positions, accepted,
+                            row_start, num_scheduled, width)
+        for caches in kv_cache_groups:
+            compact_kv_triton(caches, slots, accepted, row_start)
         compact_rows_triton([hidden, token_ids], accepted, row_start)
         restore_chain_positions_triton(positions, row_start, num_scheduled, width)
 
