@@ -90,8 +90,8 @@ def test_without_caches_the_rest_still_moves():
 
 def test_layouts_it_does_not_take_are_refused():
     gen = torch.Generator().manual_seed(2)
-    states = [torch.randn(6, 8, generator=gen, device=DEVICE) for _ in range(2)]
-    wide = torch.randn(6, 16, device=DEVICE)
+    states = [torch.randn(6, 8, generator=gen).to(DEVICE) for _ in range(2)]
+    wide = torch.randn(6, 16, generator=gen).to(DEVICE)
     assert rows_alike(states)
     assert not rows_alike([states[0], wide])  # another row length
     assert not rows_alike([states[0], wide[:, ::2]])  # strided columns
