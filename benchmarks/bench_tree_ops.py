@@ -1,9 +1,9 @@
 """Per-step cost of the DDTree host-side tensor ops next to a Qwen3-8B-shaped step.
 
 Tree ops = build_ddtree (top-K per depth over the vocabulary + best-prefix selection)
-+ walk_tree + compaction as vllm_ddtree/runner.py does it on CUDA: the KV moves of
-every layer's paged cache (vLLM's CUDA layout) in one launch, the hidden-state and
-token-id rows, and the positions back in chain order. Timed eagerly (host wall time per
++ walk_tree + compaction as vllm_ddtree/runner.py does it on CUDA: one launch for the
+KV moves of every layer's paged cache (vLLM's CUDA layout), the hidden-state and
+token-id rows, and the positions back in chain order (compact_step_triton). Timed eagerly (host wall time per
 call, synchronised) and as a CUDA-graph replay, with a per-op eager breakdown.
 
 The step estimate is measured in the same run: one verify forward of a Qwen3-8B-shaped
@@ -30,8 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_ddtree.attention.kv_move_triton import compact_kv_triton
-from vllm_ddtree.compaction import compact_rows, restore_chain_positions
+from vllm_ddtree.compact_step_triton import compact_step_triton
 from vllm_ddtree.tree import build_ddtree
 from vllm_ddtree.verify import walk_tree
 
@@ -141,6 +140,7 @@ class TreeOps:
         pos = args.context + torch.arange(n, device=dev)
         self.slot_mapping = (table[:, pos // page] * page + pos % page).flatten()
         self.query_start_loc = torch.arange(0, batch * n + 1, n, device=dev, dtype=torch.int32)
+        self.row_start = self.query_start_loc[:-1].to(torch.int64)
 
     def build(self):
         return build_ddtree(self.logprobs, self.roots, self.budget)
@@ -149,11 +149,12 @@ class TreeOps:
         return walk_tree(tree, self.target, self.depth)
 
     def compact(self, walk) -> None:
-        # As the model runner does on CUDA (runner.compact_after_walk).
-        row_start = self.query_start_loc[:-1].to(torch.int64)
-        compact_kv_triton(self.caches, self.slot_mapping, walk.accepted_nodes, row_start)
-        compact_rows(self.rows, walk.accepted_nodes, row_start)
-        restore_chain_positions(self.positions, row_start, self.num_scheduled, self.budget + 1)
+        # As the model runner does on CUDA (runner.compact_after_walk): one launch for
+        # the KV of every layer, the state rows, the token ids and the positions.
+        # (The row starts come from the step's positions kernel there, on the device.)
+        compact_step_triton(self.caches, self.slot_mapping, self.rows[:-1], self.rows[-1],
+                            self.positions, walk.accepted_nodes, self.row_start,
+                            self.num_scheduled, self.budget + 1)
 
     def step(self) -> None:
         tree = self.build()
@@ -269,8 +270,8 @@ def save(args, device_name: str, rows: list[dict]) -> None:
             "max_depth": args.max_depth, "vocab": args.vocab, "layers": args.layers,
             "context": args.context, "page_size": args.page_size,
             "note": "ops = build_ddtree + walk_tree + compaction as the runner does it on "
-                    "CUDA (KV of every layer in one launch, hidden/aux/token-id rows, "
-                    "positions); step = Qwen3-8B-shaped GEMMs + tree attention, CUDA graph",
+                    "CUDA (KV of every layer, hidden/aux/token-id rows and positions in "
+                    "one launch); step = Qwen3-8B-shaped GEMMs + tree attention, CUDA graph",
             "results": rows,
         }, f, indent=1)
 
