@@ -79,6 +79,30 @@ def device_time(event: Any, self_only: bool = False) -> float:
     return 0.0
 
 
+def is_device_work(event: Any) -> bool:
+    """A kernel, copy or memset on the device: not a host operator (whose own device
+    time repeats its kernels') and not a range's span on the GPU timeline (a
+    ``record_function`` range, idle gaps included)."""
+    kind = str(getattr(event, "device_type", "")).rsplit(".", 1)[-1]
+    return kind not in ("CPU", "") and not getattr(event, "is_user_annotation", False)
+
+
+def phase_times(averages: Any, raw_events: Any, steps: float) -> dict:
+    """Per step, for each ``ddtree.*`` range: host time (the host-side range,
+    children included) and the span of its launches on the GPU."""
+    phases: dict[str, dict] = {}
+    for e in averages:
+        if not e.key.startswith("ddtree."):
+            continue
+        host_us = sum(r.cpu_time_total for r in raw_events
+                      if r.name == e.key and not is_device_work(r)
+                      and str(getattr(r, "device_type", "CPU")).endswith("CPU"))
+        phases[e.key] = {"host_ms": host_us / 1e3 / steps,
+                         "kernel_ms": device_time(e) / 1e3 / steps,
+                         "calls_per_step": e.count / steps}
+    return phases
+
+
 def profile_one(method: str, budget: int | None, batch: int, args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
@@ -118,11 +142,8 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
     steps = (after["drafts"] - before["drafts"]) / batch if run.speculative else tokens / batch
     steps = max(1.0, steps)
     events = prof.key_averages()
-    kernel_us = sum(device_time(e, self_only=True) for e in events)
-    phases = {e.key: {"host_ms": e.cpu_time_total / 1e3 / steps,
-                      "kernel_ms": device_time(e) / 1e3 / steps,
-                      "calls_per_step": e.count / steps}
-              for e in events if e.key.startswith("ddtree.")}
+    kernel_us = sum(device_time(e, self_only=True) for e in events if is_device_work(e))
+    phases = phase_times(events, prof.events(), steps)
     rows = [{"op": e.key, "calls_per_step": e.count / steps,
              "self_host_ms": e.self_cpu_time_total / 1e3 / steps,
              "self_kernel_ms": device_time(e, self_only=True) / 1e3 / steps} for e in events]

@@ -113,3 +113,35 @@ def test_bench_readme_runner_tables_are_the_results_files(name, heading):
             other = next(x for x in res[ref[base]]
                          if x["temperature"] == float(t) and x["batch"] == int(batch))
             assert float(cell) == round(r["tok_per_s"] / other["tok_per_s"], 2), (method, base)
+
+
+def step_costs(name: str) -> dict[tuple[str, int], float]:
+    """(method, batch) -> ms per step of a bench_gpu_step results file."""
+    runs = json.loads((RESULTS / name).read_text())["runs"]
+    return {(r["method"], row["batch"]): row["ms_per_step"] for r in runs for row in r["rows"]}
+
+
+def test_readme_step_cost_table_is_the_results_files():
+    """README.md's two step-cost runs: batch 1 / batch 32 per method, as measured."""
+    rows = block_after(README, "                   ms per step, batch 1 / batch 32")[1:]
+    methods = {"plain": "plain", "dflash": "chain", "ddtree": "ddtree"}
+    files = ("gpu_step.json", "gpu_step_20261130_8353b6f.json")
+    assert [row[0] for row in rows] == list(methods)
+    for row in rows:
+        numbers = [float(w) for w in row if re.fullmatch(r"\d+\.\d{3}", w)]
+        want = [round(step_costs(f)[(methods[row[0]], b)], 3) for f in files for b in (1, 32)]
+        assert numbers == want, row
+
+
+def test_bench_readme_8353b6f_table_is_the_results_file():
+    costs = step_costs("gpu_step_20261130_8353b6f.json")
+    runs = json.loads((RESULTS / "gpu_step_20261130_8353b6f.json").read_text())["runs"]
+    rows = block_after(BENCH_README, "runner  method        batch 1   batch 32    ms per step "
+                                     "(estimate of each pair)\nv1      plain           7.322")
+    assert len(rows) == 3
+    for row, run in zip(rows, runs, strict=True):
+        numbers = [float(w) for w in row if re.fullmatch(r"\d+\.\d{3}", w)]
+        estimates = [round(e["ms_per_step"], 3) for b in (1, 32)
+                     for e in next(x for x in run["rows"] if x["batch"] == b)["estimates"]]
+        assert numbers == [round(costs[(run["method"], 1)], 3),
+                           round(costs[(run["method"], 32)], 3), *estimates], row

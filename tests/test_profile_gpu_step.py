@@ -1,0 +1,57 @@
+"""benchmarks/profile_gpu_step.py's accounting on torch.profiler events: kernel time
+counts device work once (not a host operator's own device time again, nor a range's
+span on the GPU), and a DDTree range's host time includes its children."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import profile_gpu_step as prof
+
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+
+def event(name, device_type, self_device_us, annotation=False, count=1, cpu_total=0.0):
+    return SimpleNamespace(key=name, name=name, device_type=device_type,
+                           self_device_time_total=self_device_us,
+                           device_time_total=self_device_us, is_user_annotation=annotation,
+                           count=count, cpu_time_total=cpu_total)
+
+
+def test_device_work_is_counted_once():
+    averages = [
+        event("aten::mm", CPU, 600.0),  # the host op: its own device time repeats its kernel's
+        event("nvjet_gemm_kernel", CUDA, 600.0),
+        event("ddtree.build_tree", CUDA, 300.0, annotation=True),  # a span, gaps included
+        event("Memcpy HtoD", CUDA, 5.0),
+    ]
+    assert sum(prof.device_time(e, self_only=True) for e in averages
+               if prof.is_device_work(e)) == 605.0
+
+
+def test_a_phase_takes_its_host_range_and_its_gpu_span():
+    averages = [event("ddtree.compact", CUDA, 40.0, annotation=True, count=4)]
+    raw = [event("ddtree.compact", CPU, 0.0, cpu_total=250.0),
+           event("ddtree.compact", CPU, 0.0, cpu_total=150.0),
+           event("ddtree.compact", CUDA, 20.0, annotation=True, cpu_total=-999.0)]
+    phases = prof.phase_times(averages, raw, steps=2)
+    assert phases == {"ddtree.compact": {"host_ms": 0.2, "kernel_ms": 0.02,
+                                         "calls_per_step": 2.0}}
+
+
+def test_on_a_real_cpu_profile_the_range_holds_its_children():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        for _ in range(2):
+            with torch.profiler.record_function("ddtree.x"):
+                a = torch.randn(64, 64)
+                _ = a @ a
+    phases = prof.phase_times(p.key_averages(), p.events(), steps=2)
+    children = sum(e.cpu_time_total for e in p.events() if e.name == "aten::mm") / 2
+    assert phases["ddtree.x"]["host_ms"] * 1e3 >= children > 0
+    assert phases["ddtree.x"]["calls_per_step"] == 1.0
