@@ -252,3 +252,69 @@ def reference_kv_moves(kv_caches, slot_mapping, accepted, row_start) -> None:
     moves = block_slot_moves(src, dst, kv_caches[0].shape[2])
     for cache in kv_caches:
         cuda.move_kv_slots(cache, moves)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    and os.environ.get("TRITON_INTERPRET", "0") != "1",
+                    reason="needs CUDA or TRITON_INTERPRET=1")
+def test_verify_step_inputs_take_one_launch_on_cuda(monkeypatch):
+    """On CUDA begin_verify_step chooses the trees, packs their masks and moves the
+    positions in one launch (step_trees_triton with positions); the result is the
+    CPU path's (step_trees, then tree_positions), field for field."""
+    import random
+
+    from tests.test_step_tree_triton import make_step
+    from tests.triton_utils import DEVICE, KernelRecorder
+    from vllm_ddtree import step_tree_triton
+    from vllm_ddtree.attention.state import mask_buffer
+    from vllm_ddtree.runner import DDTreeRunnerState, begin_verify_step
+
+    drafted, index, meta = make_step(3, 16, 15, 4, random.Random(5))
+    num_draft = torch.tensor(meta.num_draft_tokens)
+    query_start = torch.cat([torch.zeros(1, dtype=torch.int64),
+                             (num_draft + 1).cumsum(0)]).to(torch.int32)
+    positions = torch.arange(int(query_start[-1]) + 4) + 100
+    monkeypatch.setattr(ddtree_runner, "_has_grammar", lambda runner, rid: False)
+
+    def fresh_runner(device: str):
+        on = torch.device(DEVICE)
+        state = DDTreeRunnerState(
+            ddtree=DDTreeConfig(budget=16, topk_cap=4, block_size=16, vocab_size=9),
+            mask_buffer=mask_buffer(4, 17, on),
+            row_start_buffer=torch.zeros(4, dtype=torch.int64, device=on))
+        state.tree_rows = {f"r{i}": int(row) for i, row in enumerate(index)}
+        step_meta = SimpleNamespace(
+            num_draft_tokens=meta.num_draft_tokens,
+            draft_token_ids=meta.draft_token_ids.to(torch.int32).to(on),
+            cu_num_draft_tokens=meta.cu_num_draft_tokens.to(torch.int32).to(on))
+        tree = type(drafted)(*(t.to(on) for t in (
+            drafted.tokens, drafted.parents, drafted.depths, drafted.valid,
+            drafted.ancestor_mask, drafted.num_nodes)))
+        runner = SimpleNamespace(
+            device=torch.device(device), ddtree_state=state,
+            input_batch=SimpleNamespace(num_reqs=3, req_ids=["r0", "r1", "r2"]),
+            positions=positions.clone().to(on),
+            query_start_loc=SimpleNamespace(cpu=query_start, gpu=query_start.to(on)),
+            drafter=SimpleNamespace(last_tree=tree))
+        begin_verify_step(runner, step_meta)
+        return runner
+
+    launched: list = []
+    monkeypatch.setattr(step_tree_triton, "step_trees_kernel",
+                        KernelRecorder(step_tree_triton.step_trees_kernel, launched))
+    fast = fresh_runner("cuda")
+    assert [kw["HAS_POSITIONS"] for _, kw in launched] == [True]
+    monkeypatch.setattr(ddtree_runner, "step_trees",
+                        functools.partial(ddtree_runner.step_trees, use_triton=False))
+    monkeypatch.setattr(ddtree_runner, "tree_positions",
+                        functools.partial(ddtree_runner.tree_positions, use_triton=False))
+    reference = fresh_runner("cpu")
+    assert len(launched) == 1  # the CPU path launched no kernel
+    got, want = fast.ddtree_state.step, reference.ddtree_state.step
+    for field in ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes"):
+        assert torch.equal(getattr(got.tree, field).cpu(), getattr(want.tree, field).cpu()), field
+    assert torch.equal(got.row_start.cpu(), want.row_start.cpu())
+    assert torch.equal(fast.positions.cpu(), reference.positions.cpu())
+    assert not torch.equal(fast.positions.cpu(), positions)  # some node sits at its depth
+    assert torch.equal(fast.ddtree_state.mask_buffer.cpu(),
+                       reference.ddtree_state.mask_buffer.cpu())

@@ -19,6 +19,7 @@ import torch
 from tests.test_sampler import _metadata
 from tests.triton_utils import DEVICE, needs_cuda, needs_kernel, poisoned_empty
 from vllm_ddtree.attention.reference import pack_tree_mask
+from vllm_ddtree.compaction import tree_positions
 from vllm_ddtree.sampler import step_trees
 from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.tree import build_ddtree
@@ -87,6 +88,42 @@ def test_kernel_matches_torch(monkeypatch, budget, depth, cap):
             words = packed.shape[2]
             assert torch.equal(want_packed[:num_reqs, :width, :words], packed)
             assert torch.equal(got_packed.cpu(), want_packed)
+
+
+@pytest.mark.parametrize("budget,depth,cap", [(1, 1, None), (16, 15, 4), (31, 15, None)])
+def test_positions_in_the_same_launch_match_tree_positions(budget, depth, cap):
+    """With the step's positions, the launch also does compaction.tree_positions with
+    the chosen trees' depths: the same positions and root rows, other rows untouched.
+    Query rows before each request's tree rows (a prefill chunk) stay where they are."""
+    rng = random.Random(budget + depth)
+    for num_reqs in (1, 3):
+        drafted, index, meta = make_step(num_reqs, budget, depth, cap, rng)
+        n = torch.tensor(meta.num_draft_tokens)
+        width = int(n.max()) + 1
+        extra = torch.tensor([rng.randint(0, 4) for _ in range(num_reqs)])  # rows before
+        query_start = torch.cat([torch.zeros(1, dtype=torch.int64),
+                                 (n + 1 + extra).cumsum(0)]).to(torch.int32)
+        positions = torch.randint(0, 5000, (int(query_start[-1]) + 3,))
+        want_tree = step_trees(drafted, index, meta, n, width, use_triton=False)
+        want_positions = positions.clone()
+        want_rows = tree_positions(want_positions, query_start, n, want_tree.depths,
+                                   use_triton=False)
+        got_positions = positions.to(DEVICE)
+        row_start = torch.full((num_reqs + 2,), -5, dtype=torch.int64, device=DEVICE)
+        got = step_trees_triton(on_device(drafted), index.to(DEVICE),
+                                meta.draft_token_ids.to(DEVICE).to(torch.int32),
+                                meta.cu_num_draft_tokens.to(DEVICE), n.to(DEVICE), width,
+                                positions=got_positions, query_start_loc=query_start.to(DEVICE),
+                                row_start_out=row_start)
+        assert torch.equal(got.depths.cpu(), want_tree.depths)
+        assert torch.equal(got_positions.cpu(), want_positions)
+        assert row_start[:num_reqs].cpu().tolist() == want_rows.tolist()
+        assert row_start[num_reqs:].cpu().tolist() == [-5, -5]  # past the batch: untouched
+    with pytest.raises(ValueError, match="row_start_out"):
+        step_trees_triton(on_device(drafted), index.to(DEVICE),
+                          meta.draft_token_ids.to(DEVICE).to(torch.int32),
+                          meta.cu_num_draft_tokens.to(DEVICE), n.to(DEVICE), width,
+                          positions=got_positions, query_start_loc=query_start.to(DEVICE))
 
 
 def test_checks():

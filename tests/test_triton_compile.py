@@ -45,7 +45,8 @@ STEP_TREES = ("tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_p
               "tree_mask_ptr:*u8", "index_ptr:*i64", "drafts_ptr:*i32", "cu_drafts_ptr:*i32",
               "num_scheduled_ptr:*i64", "width:i32", "num_drafts:i32", "row_stride:i32",
               "mask_stride_r:i32", "mask_stride_i:i32", "packed_ptr:*i32",
-              "packed_stride_r:i32", "packed_stride_i:i32")
+              "packed_stride_r:i32", "packed_stride_i:i32", "positions_ptr:*i64",
+              "query_start_ptr:*i32", "row_start_ptr:*i64")
 COMPACT_STEP = ("cache_ptr:*i16", "layer_offset_ptr:*i64", "slot_ptr:*i64", "num_tokens:i32",
                 "stride_block:i32", "stride_head:i32", "stride_slot:i32", "state_ptr:*bf16",
                 "state_offset_ptr:*i64", "num_rows:i32", "row_stride:i32", "ids_ptr:*i32",
@@ -81,12 +82,12 @@ CASES = {
     "compact_step": (compact_step_kernel, sig(*COMPACT_STEP, HAS_KV=True, **COMPACT_STEP_C)),
     "compact_step_no_kv": (compact_step_kernel, sig(*COMPACT_STEP, HAS_KV=False,
                                                     **COMPACT_STEP_C)),
-    "step_trees_packed": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=True, BLOCK=32,
-                                                 WORDS=1)),
+    "step_trees_packed": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=True,
+                                                 HAS_POSITIONS=True, BLOCK=32, WORDS=1)),
     "step_trees_chains_wide": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=False,
-                                                      BLOCK=128, WORDS=3)),
-    "step_trees_unpacked": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=True, BLOCK=32,
-                                                   WORDS=0)),
+                                                      HAS_POSITIONS=True, BLOCK=128, WORDS=3)),
+    "step_trees_unpacked": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=True,
+                                                   HAS_POSITIONS=False, BLOCK=32, WORDS=0)),
     "select_tree": (select_tree_kernel, sig(
         "tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_ptr:*u8",
         "mask_ptr:*u8", "num_nodes_ptr:*i64", "position_ptr:*i32", "top_vals_ptr:*fp32",
@@ -141,7 +142,8 @@ def specialization(kernel, overrides: dict) -> list:
 
 
 @pytest.mark.parametrize("kernel,metadata", [
-    (step_trees_kernel, ["index_ptr", "drafts_ptr", "cu_drafts_ptr", "num_scheduled_ptr"]),
+    (step_trees_kernel, ["index_ptr", "drafts_ptr", "cu_drafts_ptr", "num_scheduled_ptr",
+                         "positions_ptr", "query_start_ptr", "row_start_ptr"]),
     (tree_attention_kernel, ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"]),
 ])
 def test_per_request_metadata_alignment_compiles_no_new_variant(kernel, metadata):

@@ -19,8 +19,7 @@ KERNELS = {  # module: kernel names the warm-up must launch
     "vllm_ddtree.topk_triton": ["count_ties_kernel", "repair_ties_kernel"],
     "vllm_ddtree.tree_triton": ["select_tree_kernel"],
     "vllm_ddtree.step_tree_triton": ["step_trees_kernel"],
-    "vllm_ddtree.compact_rows_triton": ["compact_rows_kernel", "chain_positions_kernel",
-                                        "tree_positions_kernel"],
+    "vllm_ddtree.compact_rows_triton": ["compact_rows_kernel", "chain_positions_kernel"],
     "vllm_ddtree.verify_triton": ["walk_tree_kernel"],
     "vllm_ddtree.attention.kv_move_triton": ["compact_kv_kernel"],
     "vllm_ddtree.compact_step_triton": ["compact_step_kernel"],
@@ -58,6 +57,8 @@ def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, to
     assert names == {name for names in KERNELS.values() for name in names}
     step_trees = {(kw["HAS_DRAFTED"], kw["BLOCK"], kw["WORDS"]) for name, kw in launches
                   if name == "step_trees_kernel"}
+    # With the positions, as begin_verify_step launches it on CUDA.
+    assert {kw["HAS_POSITIONS"] for name, kw in launches if name == "step_trees_kernel"} == {True}
     # The first decode step, and a tree step of every variant a trimmed step can pick
     # (width 1, all drafts trimmed, compiled during inference on the H200); the masks
     # are packed into the runner's buffer.

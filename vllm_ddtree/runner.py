@@ -38,6 +38,7 @@ from vllm_ddtree.compaction import (
 )
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeSampler, TreeVerifyStep, step_trees
+from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.sync import to_device
 from vllm_ddtree.tree import DDTree
 from vllm_ddtree.warmup import (
@@ -67,6 +68,8 @@ class DDTreeRunnerState:
     # Persistent packed ancestor masks, [max_num_reqs, budget + 1, words] int32:
     # full CUDA graphs of verify steps read each step's masks from here.
     mask_buffer: torch.Tensor | None = None
+    # Each request's root row, [max_num_reqs] int64, written at every verify step.
+    row_start_buffer: torch.Tensor | None = None
     # The target's KV-cache layers by group, found at the first compaction.
     kv_groups: list[KVGroup] | None = None
     # How the last compaction ran ("one launch" or "by part"), logged when it changes.
@@ -87,6 +90,8 @@ def install(runner: GPUModelRunner) -> None:
     state = DDTreeRunnerState(
         ddtree=ddtree,
         mask_buffer=mask_buffer(runner.max_num_reqs, ddtree.verify_width, runner.device),
+        row_start_buffer=torch.zeros(runner.max_num_reqs, dtype=torch.int64,
+                                     device=runner.device),
     )
     runner.ddtree_state = state
     runner.drafter = DDTreeProposer(runner.vllm_config, runner.device, runner)
@@ -132,15 +137,21 @@ def begin_verify_step(
     on_device = to_device(host, device)
     num_scheduled = on_device[0]
     index = on_device[1] if has_rows else None
-    # The masks are packed straight into the buffer the tree kernel reads.
-    tree = step_trees(drafted, index, spec_decode_metadata, num_scheduled, width,
-                      packed_out=state.mask_buffer)
-
-    # Siblings share a position: node i of a request sits at start + depth_i
-    # (its KV slot stays start + i, from vLLM's slot mapping).
-    row_start = tree_positions(
-        runner.positions, runner.query_start_loc.gpu[: num_reqs + 1], num_scheduled, tree.depths
-    )
+    # The masks are packed straight into the buffer the tree kernel reads. Siblings
+    # share a position: node i of a request sits at start + depth_i (its KV slot
+    # stays start + i, from vLLM's slot mapping); on CUDA the same launch moves them.
+    query_start = runner.query_start_loc.gpu[: num_reqs + 1]
+    if runner.device.type == "cuda":
+        row_start = state.row_start_buffer[:num_reqs]
+        tree = step_trees_triton(drafted, index, spec_decode_metadata.draft_token_ids,
+                                 spec_decode_metadata.cu_num_draft_tokens, num_scheduled,
+                                 width, packed_out=state.mask_buffer,
+                                 positions=runner.positions, query_start_loc=query_start,
+                                 row_start_out=row_start)
+    else:
+        tree = step_trees(drafted, index, spec_decode_metadata, num_scheduled, width,
+                          packed_out=state.mask_buffer)
+        row_start = tree_positions(runner.positions, query_start, num_scheduled, tree.depths)
 
     state.step = TreeVerifyStep(
         tree=tree,

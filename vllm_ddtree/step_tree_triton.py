@@ -14,6 +14,12 @@ and the ancestor mask is written row by row (the tree's rows, or the chain's
 lower triangle over the scheduled nodes with {self} for the rest), each row also
 packed into 32-bit words when the caller passes a buffer (the attention kernel's
 input, so no separate packing pass runs). Bool tensors travel as uint8.
+
+Given the step's positions and query offsets, the same launch also moves each sent
+node to its depth position and writes the request's root row (the Triton twin of
+``compaction.tree_positions``, which runs after the trees on the torch path): the
+runner then spends one launch, not two, on the step's trees before the target runs,
+when the GPU waits for the host.
 """
 
 from __future__ import annotations
@@ -36,11 +42,17 @@ def step_trees_triton(
     num_scheduled: torch.Tensor,  # [num_reqs] int64, drafts sent per request
     width: int,  # verify width: the widest request's drafts + 1
     packed_out: torch.Tensor | None = None,  # [>= num_reqs, >= width, >= words] int32
+    positions: torch.Tensor | None = None,  # [num_rows] the step's positions, moved in place
+    query_start_loc: torch.Tensor | None = None,  # [>= num_reqs + 1], with positions
+    row_start_out: torch.Tensor | None = None,  # [>= num_reqs] int64, with positions
 ) -> DDTree:
     """The tree each request verifies this step (Triton twin of sampler.step_trees),
     its ancestor masks also packed into ``packed_out`` when given (as
     attention.reference.pack_tree_mask packs them: column j is bit j % 32 of word
-    j // 32)."""
+    j // 32). With ``positions``, also what ``compaction.tree_positions`` does with
+    the chosen trees' depths: each sent node moves to its root's position plus its
+    depth, and ``row_start_out[:num_reqs]`` takes each request's root row (its tree
+    rows end its query rows)."""
     num_reqs = num_scheduled.shape[0]
     device = num_scheduled.device
     _check_inputs(drafted, index, cu_num_draft_tokens, num_scheduled, width)
@@ -53,6 +65,16 @@ def step_trees_triton(
         raise ValueError(
             f"packed_out must be int32 [>= {num_reqs}, >= {width}, >= {words}] with "
             f"contiguous words, got {packed_out.dtype} {tuple(packed_out.shape)}"
+        )
+    has_positions = positions is not None
+    if has_positions and (
+        query_start_loc is None or row_start_out is None or positions.dim() != 1
+        or query_start_loc.shape[0] < num_reqs + 1 or row_start_out.shape[0] < num_reqs
+        or row_start_out.dtype != torch.int64
+    ):
+        raise ValueError(
+            "positions need query_start_loc [>= num_reqs + 1] and row_start_out "
+            f"[>= num_reqs] int64; num_reqs is {num_reqs}"
         )
     tokens = torch.empty(num_reqs, width, dtype=torch.int64, device=device)
     parents = torch.empty_like(tokens)
@@ -85,7 +107,11 @@ def step_trees_triton(
         packed,
         packed_out.stride(0) if packed_out is not None else 0,
         packed_out.stride(1) if packed_out is not None else 0,
+        positions if has_positions else num_nodes,  # never touched without positions
+        query_start_loc if has_positions else num_nodes,
+        row_start_out if has_positions else num_nodes,
         HAS_DRAFTED=has_drafted,
+        HAS_POSITIONS=has_positions,
         BLOCK=triton.next_power_of_2(width),
         WORDS=words if packed_out is not None else 0,
     )
@@ -131,7 +157,8 @@ def _check_inputs(
 @triton.jit(do_not_specialize=["width", "num_drafts", "row_stride", "mask_stride_r",
                                "mask_stride_i", "packed_stride_r", "packed_stride_i"],
             do_not_specialize_on_alignment=["index_ptr", "drafts_ptr", "cu_drafts_ptr",
-                                            "num_scheduled_ptr"])
+                                            "num_scheduled_ptr", "positions_ptr",
+                                            "query_start_ptr", "row_start_ptr"])
 def step_trees_kernel(
     tokens_ptr,  # [num_reqs, width] int64 (out)
     parents_ptr,  # [num_reqs, width] int64 (out)
@@ -156,7 +183,11 @@ def step_trees_kernel(
     packed_ptr,  # [>= num_reqs, >= width, >= WORDS] int32 (out), rows of packed mask words
     packed_stride_r,
     packed_stride_i,
+    positions_ptr,  # [num_rows] the step's positions (HAS_POSITIONS), moved in place
+    query_start_ptr,  # [num_reqs + 1] query offsets (HAS_POSITIONS)
+    row_start_ptr,  # [num_reqs] int64 (out, HAS_POSITIONS): each request's root row
     HAS_DRAFTED: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
     BLOCK: tl.constexpr,
     WORDS: tl.constexpr,  # words per packed row; 0: no packed output
 ):
@@ -186,7 +217,8 @@ def step_trees_kernel(
         at = row * row_stride + node
         tl.store(tokens_ptr + out, tl.load(tree_tokens_ptr + at, mask=in_width), mask=in_width)
         tl.store(parents_ptr + out, tl.load(tree_parents_ptr + at, mask=in_width), mask=in_width)
-        tl.store(depths_ptr + out, tl.load(tree_depths_ptr + at, mask=in_width), mask=in_width)
+        depth = tl.load(tree_depths_ptr + at, mask=in_width, other=0)
+        tl.store(depths_ptr + out, depth, mask=in_width)
         valid = (tl.load(tree_valid_ptr + at, mask=in_width, other=0) != 0) & present & in_width
         tl.store(valid_ptr + out, valid.to(tl.uint8), mask=in_width)
         count = tl.sum((valid & (node > 0)).to(tl.int64), axis=0)
@@ -194,9 +226,16 @@ def step_trees_kernel(
     else:
         tl.store(tokens_ptr + out, chain_tokens, mask=in_width)
         tl.store(parents_ptr + out, tl.maximum(node - 1, 0).to(tl.int64), mask=in_width)
-        tl.store(depths_ptr + out, tl.where(present, node, 0).to(tl.int64), mask=in_width)
+        depth = tl.where(present, node, 0).to(tl.int64)
+        tl.store(depths_ptr + out, depth, mask=in_width)
         tl.store(valid_ptr + out, present.to(tl.uint8), mask=in_width)
         tl.store(num_nodes_ptr + req, scheduled)
+    if HAS_POSITIONS:  # node i of the tree rows (which end the query rows): root + depth
+        start = tl.load(query_start_ptr + req + 1).to(tl.int64) - scheduled - 1
+        tl.store(row_start_ptr + req, start)
+        sent = (node >= 1) & (node <= scheduled) & in_width
+        position = tl.load(positions_ptr + start + node, mask=sent, other=0)
+        tl.store(positions_ptr + start + node, position + depth - node, mask=sent)
     for i in range(width):
         if use:  # the tree's row
             mask_row = tl.load(tree_mask_ptr + row * mask_stride_r + i * mask_stride_i + node,

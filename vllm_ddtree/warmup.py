@@ -41,7 +41,6 @@ from vllm_ddtree.attention.triton_tree import tree_attention_triton
 from vllm_ddtree.compact_rows_triton import (
     compact_rows_triton,
     restore_chain_positions_triton,
-    tree_positions_triton,
 )
 from vllm_ddtree.compact_step_triton import compact_step_triton
 from vllm_ddtree.config import DDTreeConfig
@@ -95,11 +94,14 @@ def warm_up_step_kernels(
         num_scheduled, index = host[0], host[1]
         drafts = tree.tokens[0, 1:width].to(torch.int32)
         cu_drafts = torch.tensor([num_drafts], dtype=torch.int32, device=device)
-        step = step_trees_triton(drafted, index if drafted is not None else None, drafts,
-                                 cu_drafts, num_scheduled, width, packed_out=mask_buffer)
+        # As begin_verify_step on CUDA: the trees, their masks and positions in one launch.
         positions = torch.arange(width, **i64)
         query_start = torch.tensor([0, width], dtype=torch.int32, device=device)
-        row_start = tree_positions_triton(positions, query_start, num_scheduled, step.depths)
+        row_start = torch.empty(1, **i64)
+        step = step_trees_triton(drafted, index if drafted is not None else None, drafts,
+                                 cu_drafts, num_scheduled, width, packed_out=mask_buffer,
+                                 positions=positions, query_start_loc=query_start,
+                                 row_start_out=row_start)
 
         # Walk: target tokens that no node carries, so only the root is accepted.
         walk = walk_tree_triton(step, torch.full((1, width), -1, **i64), ddtree.max_depth)
