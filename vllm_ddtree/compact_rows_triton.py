@@ -29,7 +29,8 @@ import triton.language as tl
 from vllm_ddtree.attention.kv_move_triton import element_offsets
 from vllm_ddtree.triton_device import require_triton_device
 
-__all__ = ["compact_rows_triton", "restore_chain_positions_triton", "tree_positions_triton"]
+__all__ = ["compact_rows_triton", "move_request_rows", "restore_chain_positions_triton",
+           "tree_positions_triton"]
 
 _ROW_BLOCK = 1024  # elements of a row moved per iteration
 
@@ -136,11 +137,26 @@ def compact_rows_kernel(
 ):
     tensor = tl.program_id(0)
     req = tl.program_id(1).to(tl.int64)
-    base = base_ptr + tl.load(offset_ptr + tensor)
-    start = tl.load(row_start_ptr + req)
+    move_request_rows(base_ptr + tl.load(offset_ptr + tensor), accepted_ptr + req * width,
+                      tl.load(row_start_ptr + req), num_rows, width, row_stride, ROW, BLOCK)
+
+
+@triton.jit
+def move_request_rows(
+    base,  # one tensor's rows
+    path,  # [width] int64, the request's node accepted at each depth, -1 past the path
+    start,  # int64, the request's root row
+    num_rows,
+    width,
+    row_stride,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One request's row moves in one tensor, in depth order (module docstring); also
+    called by compact_step_triton's one-launch kernel."""
     cols = tl.arange(0, BLOCK)
     for d in range(1, width):  # depth order: see the module docstring
-        node = tl.load(accepted_ptr + req * width + d)
+        node = tl.load(path + d)
         if (node > d) & (start + node < num_rows):
             src = base + (start + node) * row_stride
             dst = base + (start + d) * row_stride

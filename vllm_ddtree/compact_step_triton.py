@@ -29,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.attention.kv_move_triton import _RAW, element_offsets, triton_can_move
+from vllm_ddtree.attention.kv_move_triton import (
+    RAW_DTYPES,
+    element_offsets,
+    move_request_kv,
+    triton_can_move,
+)
+from vllm_ddtree.compact_rows_triton import move_request_rows
 from vllm_ddtree.triton_device import require_triton_device
 
 __all__ = ["compact_step_triton", "rows_alike"]
@@ -84,7 +90,7 @@ def compact_step_triton(
     if has_kv:
         first = kv_caches[0]
         _, heads, page, kv_row = first.shape
-        cache = first.view(_RAW[first.element_size()])
+        cache = first.view(RAW_DTYPES[first.element_size()])
         layer_offsets = element_offsets(kv_caches)
         kv_strides = first.stride()[:3]
         num_tokens = slot_mapping.shape[0]
@@ -156,34 +162,12 @@ def compact_step_kernel(
     path = accepted_ptr + req * path_width
     if part < num_layers:
         if HAS_KV:  # num_layers is 0 otherwise; this drops the code
-            cache = cache_ptr + tl.load(layer_offset_ptr + part)
-            heads = tl.arange(0, HEADS_PAD)
-            cols = tl.arange(0, KV_ROW_PAD)
-            offs = heads[:, None].to(tl.int64) * stride_head + cols[None, :]  # one slot, all heads
-            ok = (heads < NUM_KV_HEADS)[:, None] & (cols < KV_ROW)[None, :]
-            for d in range(1, path_width):
-                node = tl.load(path + d)
-                src_row = start + node
-                dst_row = start + d
-                if (node >= 0) & (src_row < num_tokens) & (dst_row < num_tokens):
-                    src = tl.load(slot_ptr + src_row).to(tl.int64)
-                    dst = tl.load(slot_ptr + dst_row).to(tl.int64)
-                    if (src >= 0) & (dst >= 0) & (src != dst):
-                        src_at = (src // PAGE_SIZE) * stride_block + (src % PAGE_SIZE) * stride_slot
-                        dst_at = (dst // PAGE_SIZE) * stride_block + (dst % PAGE_SIZE) * stride_slot
-                        values = tl.load(cache + src_at + offs, mask=ok)
-                        tl.store(cache + dst_at + offs, values, mask=ok)
+            move_request_kv(cache_ptr + tl.load(layer_offset_ptr + part), slot_ptr, path, start,
+                            num_tokens, path_width, stride_block, stride_head, stride_slot,
+                            PAGE_SIZE, NUM_KV_HEADS, HEADS_PAD, KV_ROW, KV_ROW_PAD)
     elif part < num_layers + num_states:
-        base = state_ptr + tl.load(state_offset_ptr + (part - num_layers))
-        cols = tl.arange(0, ROW_BLOCK)
-        for d in range(1, path_width):
-            node = tl.load(path + d)
-            if (node > d) & (start + node < num_rows):
-                src = base + (start + node) * row_stride
-                dst = base + (start + d) * row_stride
-                for c in range(0, ROW, ROW_BLOCK):
-                    ok = c + cols < ROW
-                    tl.store(dst + c + cols, tl.load(src + c + cols, mask=ok), mask=ok)
+        move_request_rows(state_ptr + tl.load(state_offset_ptr + (part - num_layers)), path,
+                          start, num_rows, path_width, row_stride, ROW, ROW_BLOCK)
     else:
         for d in range(1, path_width):
             node = tl.load(path + d)

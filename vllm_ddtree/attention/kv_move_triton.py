@@ -38,9 +38,10 @@ import triton.language as tl
 from vllm_ddtree.sync import to_device
 from vllm_ddtree.triton_device import triton_can_run
 
-__all__ = ["compact_kv_triton", "element_offsets", "triton_can_move"]
+__all__ = ["RAW_DTYPES", "compact_kv_triton", "element_offsets", "move_request_kv",
+           "triton_can_move"]
 
-_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # element size -> raw view
+RAW_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # element size -> raw view
 _offsets_cache: dict[tuple, torch.Tensor] = {}  # (device, element size, pointers) -> offsets
 _OFFSETS_CACHE_SIZE = 256  # sets of tensors remembered (KV caches never move; others may)
 # id(list) -> (the list, triton_can_move's answer): the runner passes the same
@@ -68,7 +69,7 @@ def _check_can_move(kv_caches: Sequence[torch.Tensor]) -> bool:
         triton_can_run(first)
         and first.dim() == 4
         and first.stride(3) == 1
-        and size in _RAW
+        and size in RAW_DTYPES
         and all(
             c.shape == first.shape
             and c.stride() == first.stride()
@@ -103,7 +104,7 @@ def compact_kv_triton(
         return
     first = kv_caches[0]
     _, num_kv_heads, page_size, row = first.shape
-    raw = first.view(_RAW[first.element_size()])
+    raw = first.view(RAW_DTYPES[first.element_size()])
     compact_kv_kernel[(len(kv_caches), num_reqs)](
         raw,
         element_offsets(kv_caches),
@@ -168,14 +169,37 @@ def compact_kv_kernel(
 ):
     layer = tl.program_id(0)
     req = tl.program_id(1).to(tl.int64)
-    cache = cache_ptr + tl.load(layer_offset_ptr + layer)
-    start = tl.load(row_start_ptr + req)
+    move_request_kv(cache_ptr + tl.load(layer_offset_ptr + layer), slot_ptr,
+                    accepted_ptr + req * width, tl.load(row_start_ptr + req), num_tokens, width,
+                    stride_block, stride_head, stride_slot, PAGE_SIZE, NUM_KV_HEADS, HEADS_PAD,
+                    ROW, ROW_PAD)
+
+
+@triton.jit
+def move_request_kv(
+    cache,  # one layer's cache as raw ints
+    slot_ptr,  # [num_tokens] flat slot of each row, -1 = padding
+    path,  # [width] int64, the request's node accepted at each depth, -1 past the path
+    start,  # int64, the request's root row
+    num_tokens,
+    width,
+    stride_block,
+    stride_head,
+    stride_slot,
+    PAGE_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    ROW: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+):
+    """One request's KV moves in one layer, in depth order (module docstring); also
+    called by compact_step_triton's one-launch kernel."""
     heads = tl.arange(0, HEADS_PAD)
     cols = tl.arange(0, ROW_PAD)
     offs = heads[:, None].to(tl.int64) * stride_head + cols[None, :]  # one slot, every head
     ok = (heads < NUM_KV_HEADS)[:, None] & (cols < ROW)[None, :]
     for d in range(1, width):  # depth order: see the module docstring
-        node = tl.load(accepted_ptr + req * width + d)
+        node = tl.load(path + d)
         src_row = start + node
         dst_row = start + d
         if (node >= 0) & (src_row < num_tokens) & (dst_row < num_tokens):
