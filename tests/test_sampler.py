@@ -40,6 +40,7 @@ class FakeSpecMetadata:
 class FakeSampling:
     all_greedy: bool
     temperature: torch.Tensor
+    all_random: bool = False
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     generators: dict = field(default_factory=dict)
@@ -143,6 +144,31 @@ def test_seeded_sampling_is_reproducible_and_follows_top_k():
     # Request 1 samples within its top-2 tokens.
     top2 = logits[rows[1]].topk(2, dim=-1).indices
     assert all(a[1, i] in top2[i] and c[1, i] in top2[i] for i in range(3))
+
+
+def test_all_random_batch_skips_the_greedy_argmax(monkeypatch):
+    """No request of the batch is greedy: the tokens are the same draws, without the
+    argmax pass over every node's vocabulary that only greedy requests use."""
+    logits = torch.randn(6, 50)
+    rows = torch.tensor([[0, 1, 2], [3, 4, 5]])
+
+    def draw(all_random: bool) -> torch.Tensor:
+        torch.manual_seed(9)
+        sampling = FakeSampling(all_greedy=False, all_random=all_random,
+                                temperature=torch.tensor([0.7, 1.0]))
+        return sample_node_tokens(logits, rows, sampling)
+
+    want = draw(False)
+    argmaxes: list = []
+    original = torch.Tensor.argmax
+
+    def counting_argmax(self, *args, **kwargs):
+        argmaxes.append(tuple(self.shape))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "argmax", counting_argmax)
+    assert torch.equal(draw(True), want)
+    assert argmaxes == [(6, 50)]  # the exponential race's only
 
 
 def test_tree_verify_step_is_a_plain_record():

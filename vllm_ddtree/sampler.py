@@ -352,9 +352,8 @@ def sample_node_tokens(
     sampling_metadata: SamplingMetadata,
 ) -> torch.Tensor:
     """The target's token at every node, ``[num_reqs, width]``."""
-    greedy = processed.argmax(dim=-1)
     if sampling_metadata.all_greedy:
-        return greedy[rows]
+        return processed.argmax(dim=-1)[rows]
     num_reqs = rows.shape[0]
     req_of_row = _request_of_row(rows, processed.shape[0])
     temperature = sampling_metadata.temperature[:num_reqs].float()
@@ -377,7 +376,9 @@ def sample_node_tokens(
                 (rows_r.numel(), probs.shape[1]), device=probs.device
             ).exponential_(generator=generator)
     sampled = probs.div(noise).argmax(dim=-1)
-    tokens = torch.where(is_greedy[req_of_row], greedy, sampled)
+    if getattr(sampling_metadata, "all_random", False):  # no greedy request: no argmax pass
+        return sampled[rows]
+    tokens = torch.where(is_greedy[req_of_row], processed.argmax(dim=-1), sampled)
     return tokens[rows]
 
 
