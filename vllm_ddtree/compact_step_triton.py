@@ -3,14 +3,17 @@
 After the walk (vllm_ddtree/compaction.py), three things move so the accepted path looks
 like a chain: the KV entries of every target layer (attention/kv_move_triton.py), the rows
 the drafter reads (hidden and auxiliary hidden states, token ids: compact_rows_triton.py),
-and the verify rows' positions, back to chain order. Those are three launches, and at
-batch 1 a decode step is bound by the host issuing launches, not by the GPU running them
-(``benchmarks/results/gpu_profile.json``: the GPU idles a quarter of a chain step). Here
-one launch does all three: program ``(p, r)`` works on request r and, by p,
+and the verify rows' positions, back to chain order. Those were three launches, each
+costing the host tens of microseconds at every step (``benchmarks/results/
+gpu_profile_20261130_26519d0.json``: the compaction took 0.28 ms of host time per
+batch-1 step). Here one launch does all three: program ``(p, r)`` works on request r
+and, by p,
 
-- ``p < num_layers``: KV moves of layer p (as ``compact_kv_kernel``);
-- ``num_layers <= p < num_layers + num_row_tensors``: row moves of one state tensor (as
-  ``compact_rows_kernel``; the tensors share a dtype, row length and row stride);
+- ``p < num_layers``: KV moves of layer p (``move_request_kv``, as in
+  ``compact_kv_kernel``);
+- ``num_layers <= p < num_layers + num_row_tensors``: row moves of one state tensor
+  (``move_request_rows``, as in ``compact_rows_kernel``; the tensors share a dtype, row
+  length and row stride);
 - the last program: token-id moves, then the positions (as ``chain_positions_kernel``).
 
 The parts touch disjoint memory, so their order does not matter; within a part each
