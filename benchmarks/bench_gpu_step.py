@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -618,6 +620,15 @@ def gpu_query(fields: str) -> str | None:
         return None
 
 
+def plugin_digest(package: Path) -> str:
+    """sha256 (16 hex digits) over the package's Python sources, by relative path."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def environment(dry_run: bool) -> dict[str, Any]:
     from importlib import metadata
 
@@ -644,6 +655,12 @@ def environment(dry_run: bool) -> dict[str, Any]:
                                     capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         env["git"] = None
+    # The plugin the engines import (the first on the path), by content: a copy of the
+    # working tree may carry a stale .git (the lent GPU's did), so "git" alone can
+    # name the wrong code. Compare with plugin_digest() of a checkout.
+    spec = importlib.util.find_spec("vllm_ddtree")
+    env["plugin_digest"] = (plugin_digest(Path(spec.origin).parent)
+                            if spec is not None and spec.origin else None)
     env["env"] = {k: v for k, v in os.environ.items()
                   if k.startswith(("VLLM_USE_FLASHINFER", "VLLM_ATTENTION", "CUDA_VISIBLE"))}
     return env

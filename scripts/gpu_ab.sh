@@ -61,6 +61,9 @@ for ref_path in sorted(out.glob("ab_ref_*.json")):
         return {(r["method"], row["batch"]): row["ms_per_step"]
                 for r in json.loads(path.read_text())["runs"] for row in r.get("rows", [])}
     ref, new = rows(ref_path), rows(new_path)
+    digests = [json.loads(p.read_text())["environment"].get("plugin_digest")
+               for p in (ref_path, new_path)]
+    print(f"<!-- round {n}: plugin digests ref {digests[0]}, new {digests[1]} -->")
     for key in sorted(ref.keys() & new.keys()):
         print(f"| {n} | {key[0]} | {key[1]} | {ref[key]:.3f} | {new[key]:.3f} "
               f"| {new[key] / ref[key]:.3f} |")

@@ -64,3 +64,22 @@ def test_plugin_share_as_the_engine_runs_it():
     assert abs(ops[0]["ops_engine_ms"] - 0.45) < 1e-9
     assert abs(ops[0]["share_engine_pct"] - 4.5) < 1e-9
     assert "| 0.450 | 4.5 % |" in bench.share_table(ops)
+
+
+def test_plugin_digest_names_the_code_not_the_checkout(tmp_path):
+    """Copies of one package share a digest; any edit, or a file moved, changes it; the
+    run's environment records the digest of the plugin the engines import."""
+    repo_pkg = Path(__file__).resolve().parents[1] / "vllm_ddtree"
+    copy = tmp_path / "vllm_ddtree"
+    for path in repo_pkg.rglob("*.py"):
+        target = copy / path.relative_to(repo_pkg)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    assert bench.plugin_digest(copy) == bench.plugin_digest(repo_pkg)
+    (copy / "tree.py").write_text((copy / "tree.py").read_text() + "\n# edited\n")
+    assert bench.plugin_digest(copy) != bench.plugin_digest(repo_pkg)
+    (copy / "tree.py").write_bytes((repo_pkg / "tree.py").read_bytes())
+    (copy / "tree.py").rename(copy / "tree_moved.py")
+    assert bench.plugin_digest(copy) != bench.plugin_digest(repo_pkg)
+    env = bench.environment(dry_run=True)
+    assert env["plugin_digest"] == bench.plugin_digest(repo_pkg)
