@@ -20,7 +20,7 @@ if [ "${SANITIZE_TIMEOUT:-100}" -gt 0 ]; then
   # Graph capture is left out: memcheck does not follow kernels into graph replays.
   timeout "${SANITIZE_TIMEOUT:-100}" "$cs" --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider --noconftest -x -k "not graph" \
-    ${MEMCHECK_TESTS:-tests/test_tree_triton.py tests/test_step_tree_triton.py} \
+    ${MEMCHECK_TESTS:-tests/test_topk_triton.py tests/test_step_tree_triton.py tests/test_compact_step_triton.py} \
     2>&1 | tee "$out/memcheck.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -6
   echo "memcheck exit code: ${PIPESTATUS[0]} (124: cut at ${SANITIZE_TIMEOUT:-100} s)"
 fi
