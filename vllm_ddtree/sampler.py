@@ -376,7 +376,7 @@ def sample_node_tokens(
                 (rows_r.numel(), probs.shape[1]), device=probs.device
             ).exponential_(generator=generator)
     sampled = probs.div(noise).argmax(dim=-1)
-    if getattr(sampling_metadata, "all_random", False):  # no greedy request: no argmax pass
+    if sampling_metadata.all_random:  # no greedy request: no argmax pass
         return sampled[rows]
     tokens = torch.where(is_greedy[req_of_row], processed.argmax(dim=-1), sampled)
     return tokens[rows]
