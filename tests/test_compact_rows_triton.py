@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.test_kv_move_triton import depth_major_walk
-from tests.triton_utils import DEVICE, needs_cuda, needs_kernel, poisoned_empty
+from tests.triton_utils import DEVICE, needs_cuda, needs_kernel
 from vllm_ddtree.compaction import compact_rows, restore_chain_positions, tree_positions
 
 PAD_ROWS = 3
@@ -189,8 +189,7 @@ def test_tree_positions_match_the_oracle(width):
         want_start.append(start)
         for i in range(1, int(num_scheduled[r]) + 1):
             expected[start + i] = positions[start + i] - i + depths[r, i]
-    row_start = tree_positions(positions, query_start_loc, num_scheduled, depths,
-                               use_triton=False)
+    row_start = tree_positions(positions, query_start_loc, num_scheduled, depths)
     assert row_start.tolist() == want_start
     assert torch.equal(positions, expected)
     # ...and compaction's restore puts them back in chain order: root + i.
@@ -199,19 +198,3 @@ def test_tree_positions_match_the_oracle(width):
         n = int(num_scheduled[r])
         assert positions[start : start + n + 1].tolist() == [
             int(positions[start]) + i for i in range(n + 1)]
-
-
-@needs_kernel
-@pytest.mark.parametrize("width", [2, 5, 17, 65])
-def test_tree_positions_kernel_matches_the_torch_twin(monkeypatch, width):
-    monkeypatch.setattr(torch, "empty", poisoned_empty(torch.empty))
-    for seed in range(3):
-        query_start_loc, num_scheduled, depths, positions = verify_batch(seed * 7 + width, width)
-        want = positions.clone()
-        want_start = tree_positions(want, query_start_loc, num_scheduled, depths,
-                                    use_triton=False)
-        got = positions.to(DEVICE)
-        got_start = tree_positions(got, query_start_loc.to(DEVICE), num_scheduled.to(DEVICE),
-                                   depths.to(DEVICE), use_triton=True)
-        assert torch.equal(got_start.cpu(), want_start)
-        assert torch.equal(got.cpu(), want)

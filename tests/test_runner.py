@@ -306,8 +306,6 @@ def test_verify_step_inputs_take_one_launch_on_cuda(monkeypatch):
     assert [kw["HAS_POSITIONS"] for _, kw in launched] == [True]
     monkeypatch.setattr(ddtree_runner, "step_trees",
                         functools.partial(ddtree_runner.step_trees, use_triton=False))
-    monkeypatch.setattr(ddtree_runner, "tree_positions",
-                        functools.partial(ddtree_runner.tree_positions, use_triton=False))
     reference = fresh_runner("cpu")
     assert len(launched) == 1  # the CPU path launched no kernel
     got, want = fast.ddtree_state.step, reference.ddtree_state.step

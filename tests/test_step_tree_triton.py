@@ -90,7 +90,8 @@ def test_kernel_matches_torch(monkeypatch, budget, depth, cap):
             assert torch.equal(got_packed.cpu(), want_packed)
 
 
-@pytest.mark.parametrize("budget,depth,cap", [(1, 1, None), (16, 15, 4), (31, 15, None)])
+@pytest.mark.parametrize("budget,depth,cap", [(1, 1, None), (16, 15, 4), (31, 15, None),
+                                              (64, 15, None)])
 def test_positions_in_the_same_launch_match_tree_positions(budget, depth, cap):
     """With the step's positions, the launch also does compaction.tree_positions with
     the chosen trees' depths: the same positions and root rows, other rows untouched.
@@ -106,8 +107,7 @@ def test_positions_in_the_same_launch_match_tree_positions(budget, depth, cap):
         positions = torch.randint(0, 5000, (int(query_start[-1]) + 3,))
         want_tree = step_trees(drafted, index, meta, n, width, use_triton=False)
         want_positions = positions.clone()
-        want_rows = tree_positions(want_positions, query_start, n, want_tree.depths,
-                                   use_triton=False)
+        want_rows = tree_positions(want_positions, query_start, n, want_tree.depths)
         got_positions = positions.to(DEVICE)
         row_start = torch.full((num_reqs + 2,), -5, dtype=torch.int64, device=DEVICE)
         got = step_trees_triton(on_device(drafted), index.to(DEVICE),

@@ -21,7 +21,6 @@ from vllm_ddtree.attention.triton_tree import tree_attention_kernel
 from vllm_ddtree.compact_rows_triton import (
     chain_positions_kernel,
     compact_rows_kernel,
-    tree_positions_kernel,
 )
 from vllm_ddtree.compact_step_triton import compact_step_kernel
 from vllm_ddtree.step_tree_triton import step_trees_kernel
@@ -71,9 +70,6 @@ CASES = {
         "num_rows:i32", "width:i32", "row_stride:i32", ROW=1, BLOCK=1)),
     "chain_positions": (chain_positions_kernel, sig(
         "positions_ptr:*i64", "row_start_ptr:*i64", "num_scheduled_ptr:*i64", BLOCK=32)),
-    "tree_positions": (tree_positions_kernel, sig(
-        "positions_ptr:*i64", "row_start_ptr:*i64", "query_start_ptr:*i32",
-        "num_scheduled_ptr:*i64", "depths_ptr:*i64", "depth_stride:i32", BLOCK=32)),
     "compact_kv": (compact_kv_kernel, sig(
         "cache_ptr:*i16", "layer_offset_ptr:*i64", "slot_ptr:*i64", "accepted_ptr:*i64",
         "row_start_ptr:*i64", "num_tokens:i32", "width:i32", "stride_block:i32",

@@ -6,11 +6,12 @@ hidden states, the auxiliary hidden states and the token ids takes row
 order. In torch that is a plan, a gather and a scatter per tensor and a
 scatter-add for the positions, some forty small launches every step; here
 tensors of one dtype and row layout move in one launch, and the positions in
-another. Before the verify step, the tree nodes' positions (root + depth) and
-each request's root row come from one launch too.
+another. (Before the verify step, the tree nodes' depth positions come from the
+step-trees launch, step_tree_triton.py; on CUDA the runner compacts in one launch,
+compact_step_triton.py, and these kernels serve the layouts that launch does not take.)
 
-Torch twins: ``compaction.compact_rows``, ``compaction.restore_chain_positions`` and
-``compaction.tree_positions`` on their torch paths (the CPU path and the test oracle).
+Torch twins: ``compaction.compact_rows`` and ``compaction.restore_chain_positions`` on
+their torch paths (the CPU path and the test oracle).
 
 Ordering: one program per (tensor, request) makes that request's moves in
 depth order; the move into depth d reads row ``row_start + node_d`` with
@@ -29,10 +30,10 @@ import triton.language as tl
 from vllm_ddtree.attention.kv_move_triton import element_offsets
 from vllm_ddtree.triton_device import require_triton_device
 
-__all__ = ["compact_rows_triton", "move_request_rows", "restore_chain_positions_triton",
-           "tree_positions_triton"]
+__all__ = ["ROW_BLOCK", "compact_rows_triton", "move_request_rows",
+           "restore_chain_positions_triton"]
 
-_ROW_BLOCK = 1024  # elements of a row moved per iteration
+ROW_BLOCK = 1024  # elements of a row moved per iteration
 
 
 def compact_rows_triton(
@@ -65,7 +66,7 @@ def compact_rows_triton(
             width,
             row_stride,
             ROW=row,
-            BLOCK=min(triton.next_power_of_2(row), _ROW_BLOCK),
+            BLOCK=min(triton.next_power_of_2(row), ROW_BLOCK),
         )
 
 
@@ -90,32 +91,6 @@ def restore_chain_positions_triton(
         positions, row_start.contiguous(), num_scheduled.contiguous(),
         BLOCK=triton.next_power_of_2(max(width, 2)),
     )
-
-
-def tree_positions_triton(
-    positions: torch.Tensor,  # [num_rows] root + i at row start + i
-    query_start_loc: torch.Tensor,  # [num_reqs + 1]
-    num_scheduled: torch.Tensor,  # [num_reqs] int64
-    depths: torch.Tensor,  # [num_reqs, width] int64
-) -> torch.Tensor:  # [num_reqs] int64, row of each root
-    """positions[start + i] += depths[:, i] - i for 0 < i <= num_scheduled, where a
-    request's tree rows end its query rows (start = its end - num_scheduled - 1)."""
-    require_triton_device(positions, "tree_positions_triton", "compaction.tree_positions")
-    num_reqs, width = depths.shape
-    if num_scheduled.shape != (num_reqs,) or query_start_loc.shape[0] < num_reqs + 1:
-        raise ValueError(
-            f"num_scheduled must be [num_reqs] = [{num_reqs}] and query_start_loc at least "
-            f"[num_reqs + 1], got {tuple(num_scheduled.shape)} and "
-            f"{tuple(query_start_loc.shape)}"
-        )
-    row_start = torch.empty(num_reqs, dtype=torch.int64, device=positions.device)
-    if num_reqs == 0:
-        return row_start
-    tree_positions_kernel[(num_reqs,)](
-        positions, row_start, query_start_loc, num_scheduled.contiguous(), depths,
-        depths.stride(0), BLOCK=triton.next_power_of_2(max(width, 2)),
-    )
-    return row_start
 
 
 # ----------------------------------------------------------------------------------
@@ -178,24 +153,3 @@ def chain_positions_kernel(
     root = tl.load(positions_ptr + start)
     i = tl.arange(0, BLOCK)
     tl.store(positions_ptr + start + i, root + i, mask=(i >= 1) & (i <= count))
-
-
-@triton.jit(do_not_specialize=["depth_stride"])
-def tree_positions_kernel(
-    positions_ptr,  # [num_rows]
-    row_start_ptr,  # [num_reqs] int64 (out)
-    query_start_ptr,  # [num_reqs + 1]
-    num_scheduled_ptr,  # [num_reqs] int64
-    depths_ptr,  # [num_reqs, width] int64
-    depth_stride,
-    BLOCK: tl.constexpr,  # >= width
-):
-    req = tl.program_id(0)
-    count = tl.load(num_scheduled_ptr + req)
-    start = tl.load(query_start_ptr + req + 1).to(tl.int64) - count - 1
-    tl.store(row_start_ptr + req, start)
-    i = tl.arange(0, BLOCK)
-    sent = (i >= 1) & (i <= count)
-    depth = tl.load(depths_ptr + req.to(tl.int64) * depth_stride + i, mask=sent, other=0)
-    position = tl.load(positions_ptr + start + i, mask=sent, other=0)
-    tl.store(positions_ptr + start + i, position + depth - i, mask=sent)

@@ -38,12 +38,11 @@ from vllm_ddtree.attention.kv_move_triton import (
     move_request_kv,
     triton_can_move,
 )
+from vllm_ddtree.compact_rows_triton import ROW_BLOCK as MAX_ROW_BLOCK
 from vllm_ddtree.compact_rows_triton import move_request_rows
 from vllm_ddtree.triton_device import require_triton_device
 
 __all__ = ["compact_step_triton", "rows_alike"]
-
-_ROW_BLOCK = 1024  # elements of a state row moved per iteration
 
 
 def rows_alike(tensors: Sequence[torch.Tensor]) -> bool:
@@ -116,7 +115,7 @@ def compact_step_triton(
         KV_ROW=kv_row,
         KV_ROW_PAD=triton.next_power_of_2(kv_row),
         ROW=row,
-        ROW_BLOCK=min(triton.next_power_of_2(row), _ROW_BLOCK),
+        ROW_BLOCK=min(triton.next_power_of_2(row), MAX_ROW_BLOCK),
         POS_BLOCK=triton.next_power_of_2(max(width, 2)),
     )
 

@@ -87,18 +87,11 @@ def tree_positions(
     query_start_loc: torch.Tensor,  # [num_reqs + 1] the step's query offsets
     num_scheduled: torch.Tensor,  # [num_reqs] int64, tree nodes sent per request
     depths: torch.Tensor,  # [num_reqs, width] int64, depth of each node
-    *,
-    use_triton: bool | None = None,  # None: the Triton kernel on CUDA, else torch
 ) -> torch.Tensor:  # [num_reqs] int64, flat row of each root
     """Siblings share a position: node i of a request moves to root + depth_i, in place
     (its KV slot stays that of row start + i). Returns each request's root row; a
-    request's tree rows end its query rows."""
-    if use_triton is None:
-        use_triton = positions.is_cuda
-    if use_triton:
-        from vllm_ddtree.compact_rows_triton import tree_positions_triton
-
-        return tree_positions_triton(positions, query_start_loc, num_scheduled, depths)
+    request's tree rows end its query rows. On CUDA the step-trees launch does this
+    (step_tree_triton.step_trees_triton with positions), this is its torch twin."""
     num_reqs, width = depths.shape
     row_start = query_start_loc[1 : num_reqs + 1].to(torch.int64) - num_scheduled - 1
     node = torch.arange(width, device=depths.device)
