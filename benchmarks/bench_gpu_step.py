@@ -63,6 +63,9 @@ QWEN3_8B_SHAPE: dict[str, Any] = {
 MASK_TOKEN_ID, TARGET_LAYER_IDS = 151669, [1, 9, 17, 25, 33]
 PROMPT_TOKEN_MAX = 151643  # ids below Qwen3's special tokens
 MAX_CAPTURE = 4096  # largest CUDA-graph size (tokens) captured by default
+# ddtree-triton: DDTree with ddtree_prefix_attention "triton" (the tree kernel alone),
+# to compare with the default's FlashAttention over the prefix in the same run.
+METHODS = ("plain", "chain", "ddtree", "ddtree-triton")
 ENGINE_START_S = 75  # torch.compile + graph capture of an 8B model on an H200: 60-90 s
 _START = time.perf_counter()
 
@@ -93,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runners", type=name_list, default=["v1", "v2"],
                    help="model runners for plain and chain runs (DDTree always runs on v1)")
     p.add_argument("--methods", type=name_list, default=["plain", "chain", "ddtree"],
-                   help="subset of plain,chain,ddtree (to split a long run)")
+                   help=f"subset of {','.join(METHODS)} (to split a long run)")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--short-len", type=int, default=None, help="new tokens, short call (32)")
     p.add_argument("--long-len", type=int, default=None, help="new tokens, long call (160)")
@@ -129,8 +132,8 @@ def resolve_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> ar
         p.error(f"--long-len {args.long_len} must exceed --short-len {args.short_len}")
     if bad := sorted(set(args.runners) - {"v1", "v2"}):
         p.error(f"--runners: unknown {bad}; allowed v1, v2")
-    if bad := sorted(set(args.methods) - {"plain", "chain", "ddtree"}):
-        p.error(f"--methods: unknown {bad}; allowed plain, chain, ddtree")
+    if bad := sorted(set(args.methods) - set(METHODS)):
+        p.error(f"--methods: unknown {bad}; allowed {', '.join(METHODS)}")
     if min(args.batches) < 1 or min(args.budgets) < 1 or args.prompt_len < 1:
         p.error("batches, budgets and --prompt-len must be >= 1")
     # Room for the prompt, the long output and the widest verify step's lookahead slots.
@@ -149,7 +152,7 @@ class EngineRun:
     """One engine: a model runner and a decoding method (a budget for DDTree)."""
 
     runner: str  # "v1" | "v2"
-    method: str  # "plain" | "chain" | "ddtree"
+    method: str  # METHODS
     budget: int | None = None
 
     @property
@@ -166,6 +169,9 @@ class EngineRun:
                     "num_speculative_tokens": BLOCK_SIZE - 1}
         if self.method == "ddtree":
             return {"method": "ddtree", "model": str(drafter), "ddtree_budget": self.budget}
+        if self.method == "ddtree-triton":  # the tree kernel over prefix and tree alike
+            return {"method": "ddtree", "model": str(drafter), "ddtree_budget": self.budget,
+                    "ddtree_prefix_attention": "triton"}
         return None
 
 
@@ -191,8 +197,9 @@ def merge_ops(old: list[dict], new: list[dict]) -> list[dict]:
 def plan_runs(args: argparse.Namespace) -> list[EngineRun]:
     runs = [EngineRun(r, m) for r in args.runners for m in ("plain", "chain")
             if m in args.methods]
-    if "ddtree" in args.methods:
-        runs += [EngineRun("v1", "ddtree", b) for b in args.budgets]
+    for method in ("ddtree", "ddtree-triton"):
+        if method in args.methods:
+            runs += [EngineRun("v1", method, b) for b in args.budgets]
     return runs
 
 
@@ -207,7 +214,7 @@ def guess_step_ms(run: EngineRun, batch: int, runner_factor: float = 1.0) -> flo
     ms = 5.2 + 0.031 * batch * verify_width(run)
     if run.speculative:
         ms += 1.0 + 0.02 * batch  # one 5-layer drafter pass over 16 slots per request
-    if run.method == "ddtree":
+    if run.method.startswith("ddtree"):
         ms += 1.3 + 0.07 * batch  # tree build + walk + compaction
     return ms * runner_factor
 

@@ -240,6 +240,76 @@ def test_no_tree_means_the_parent_alone():
 
 
 @pytest.mark.parametrize(
+    "choice,fa_version,dtype,path",
+    [
+        ("auto", 3, torch.bfloat16, "flash_prefix"),
+        ("auto", 3, torch.float16, "flash_prefix"),
+        ("flash_attn", 3, torch.bfloat16, "flash_prefix"),
+        ("auto", 3, torch.float32, "tree"),  # FlashAttention has no float32
+        ("auto", 2, torch.bfloat16, "tree"),
+        ("auto", None, torch.bfloat16, "tree"),  # TRITON_ATTN
+        ("triton", 3, torch.bfloat16, "tree"),
+    ],
+)
+def test_who_attends_the_prefix(choice, fa_version, dtype, path, monkeypatch):
+    """ddtree_prefix_attention routes a steady-state step either to FlashAttention
+    over the prefix plus the tree kernel, or to the tree kernel alone; both give
+    the reference's rows."""
+    calls = []
+
+    def flash_prefix(tree, query, key_cache, value_cache, block_table, seq_lens, qsl,
+                     mask, scale, *, out, num_splits, fa_version, **bounds):
+        calls.append(("flash_prefix", num_splits, fa_version))
+        out.copy_(tree_attention_reference(
+            query, key_cache, value_cache, block_table, seq_lens, qsl, mask, scale
+        ))
+
+    def tree_step(tree, query, *args, out, **bounds):
+        calls.append(("tree",))
+        out.copy_(tree_attention_reference(query, *args))
+
+    monkeypatch.setattr(cuda, "flash_prefix_step", flash_prefix)
+    monkeypatch.setattr(cuda, "tree_attention_step", tree_step)
+    batch = make_batch([5, 3], [7, 12], seed=12)
+    batch.query = batch.query.to(dtype)
+    info = tree_info(batch, [5, 3], seed=13)
+    info.prepare_for(torch.device("cpu"))
+    impl = Impl()
+    impl._ddtree_prefix_choice = choice
+    impl.vllm_flash_attn_version = fa_version
+    metadata = SimpleNamespace(**vars(batch.metadata), tree=info, max_num_splits=32)
+    output = torch.full_like(batch.query, float("nan"))
+    impl.forward(None, batch.query, None, None, batch.kv_cache.to(dtype), metadata, output)
+    assert [c[0] for c in calls] == [path]
+    if path == "flash_prefix":
+        assert calls[0][1:] == (32, 3)  # vLLM's split bound and FlashAttention version
+    assert not output[:8].isnan().any()
+
+
+def test_impl_reads_the_choice_from_the_vllm_config(monkeypatch):
+    from vllm_ddtree.config import DDTreeConfig
+
+    ddtree = DDTreeConfig(block_size=8, vocab_size=100, prefix_attention="triton")
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(ddtree=ddtree))
+    monkeypatch.setattr(cuda, "get_current_vllm_config_or_none", lambda: vllm_config)
+    assert Impl()._ddtree_prefix_choice == "triton"
+    monkeypatch.setattr(cuda, "get_current_vllm_config_or_none", lambda: None)
+    assert Impl()._ddtree_prefix_choice == "auto"
+
+
+def test_flash_attn_prefix_where_it_cannot_run_is_an_error():
+    batch = make_batch([3], [4], seed=14)
+    info = tree_info(batch, [3], seed=15)
+    info.prepare_for(torch.device("cpu"))
+    impl = Impl()
+    impl._ddtree_prefix_choice = "flash_attn"
+    metadata = SimpleNamespace(**vars(batch.metadata), tree=info)
+    with pytest.raises(ValueError, match="ddtree_prefix_attention='flash_attn' needs"):
+        impl.forward(None, batch.query, None, None, batch.kv_cache, metadata,
+                     torch.zeros_like(batch.query))
+
+
+@pytest.mark.parametrize(
     "attrs,name",
     [
         ({"sliding_window": (127, 0)}, "sliding window"),

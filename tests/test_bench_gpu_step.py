@@ -83,3 +83,17 @@ def test_plugin_digest_names_the_code_not_the_checkout(tmp_path):
     assert bench.plugin_digest(copy) != bench.plugin_digest(repo_pkg)
     env = bench.environment(dry_run=True)
     assert env["plugin_digest"] == bench.plugin_digest(repo_pkg)
+
+
+def test_ddtree_triton_runs_the_tree_kernel_alone(tmp_path):
+    """The ddtree-triton method is DDTree with ddtree_prefix_attention 'triton', planned
+    per budget next to the default's DDTree engines."""
+    args = SimpleNamespace(runners=["v1"], methods=["plain", "ddtree", "ddtree-triton"],
+                           budgets=[16, 32])
+    runs = bench.plan_runs(args)
+    assert [(r.method, r.budget) for r in runs] == [
+        ("plain", None), ("ddtree", 16), ("ddtree", 32), ("ddtree-triton", 16),
+        ("ddtree-triton", 32)]
+    spec = runs[3].speculative_config(tmp_path)
+    assert spec["method"] == "ddtree" and spec["ddtree_prefix_attention"] == "triton"
+    assert "ddtree_prefix_attention" not in runs[1].speculative_config(tmp_path)

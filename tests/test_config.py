@@ -214,3 +214,20 @@ def test_topk_cap_above_vocab_message_is_clean():
     assert "ddtree={" not in msg and "'vocab_size'" not in msg
     assert "ddtree_topk_cap >= 1 or null)" not in msg
     assert f"ddtree_topk_cap={VOCAB + 1} exceeds the vocabulary size {VOCAB}" in msg
+
+
+@pytest.mark.parametrize("choice", ["auto", "flash_attn", "triton"])
+def test_prefix_attention_choices(choice):
+    cfg = DDTreeConfig.from_user_keys(
+        {"ddtree_prefix_attention": choice}, block_size=8, vocab_size=100
+    )
+    assert cfg.prefix_attention == choice
+
+
+def test_prefix_attention_default_and_bad_value():
+    assert DDTreeConfig.from_user_keys({}, block_size=8, vocab_size=100).prefix_attention == (
+        "auto")
+    with pytest.raises(ValueError, match="ddtree_prefix_attention='fa2'.*auto, flash_attn, triton"):
+        DDTreeConfig.from_user_keys(
+            {"ddtree_prefix_attention": "fa2"}, block_size=8, vocab_size=100
+        )

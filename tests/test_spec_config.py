@@ -89,7 +89,7 @@ def test_unknown_key(tiny_llama, drafter):
     with pytest.raises(
         ValueError,
         match=r"Unknown DDTree key\(s\) \['ddtree_budgt'\]; the DDTree keys are "
-        r"\['ddtree_budget', 'ddtree_topk_cap'\]",
+        r"\['ddtree_budget', 'ddtree_prefix_attention', 'ddtree_topk_cap'\]",
     ):
         engine_config(tiny_llama, ddtree(drafter, ddtree_budgt=8))
 

@@ -25,6 +25,7 @@ from tests.test_attention_reference import random_tree_parents, root_to_node
 from tests.triton_utils import DEVICE, INTERPRET, needs_kernel
 from vllm_ddtree.attention.reference import (
     pack_tree_mask,
+    prefix_attention_reference,
     tree_attention_reference,
     write_kv_to_cache,
 )
@@ -432,3 +433,115 @@ def test_mask_narrower_than_verify_width_is_rejected():
     mask = torch.ones(1, 8, 8, dtype=torch.bool, device=DEVICE).tril()
     with pytest.raises(ValueError, match="budget \\+ 1"):
         run_triton(batch, mask)
+
+
+# --- prefix given: FlashAttention (or its torch twin) over the prefix, the kernel over the tree
+
+
+def run_prefix_given(batch: Batch, mask: torch.Tensor | None, lse_sign: float = 1.0):
+    """The prefix through prefix_attention_reference (FlashAttention's twin), then the
+    kernel over the tree keys from that partial result; padding rows start as NaN."""
+    out, lse = prefix_attention_reference(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, SCALE,
+    )
+    out[int(batch.query_start_loc[-1]):] = float("nan")
+    lse = torch.where(lse.isinf(), lse * lse_sign, lse)  # either sign marks "no prefix"
+    result = tree_attention_triton(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, mask, SCALE, out=out, prefix_lse=lse,
+    )
+    assert result is out
+    assert not out.isnan().any(), "unwritten (or NaN-reading) output elements"
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 16, 63, 255])
+def test_prefix_given_matches_reference(budget: int):
+    # Mixed widths, a plain decode row, an empty prefix and a long one.
+    budgets = [budget, max(0, budget // 3), 0, budget]
+    trees = random_trees(budgets, seed=budget + 40)
+    batch = make_batch(
+        [len(t) for t in trees], [0, 37, 5, 1000 + budget], (32, 8), 128,
+        BF16, seed=budget + 40,
+    )
+    mask = padded_tree_mask(trees, budget + 4, seed=budget + 40)
+    for lse_sign in (1.0, -1.0):
+        out = run_prefix_given(batch, pack_tree_mask(mask), lse_sign)
+        assert_close(out, run_reference(batch, mask))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefix_given_dtypes_and_causal_rows(dtype: torch.dtype):
+    trees = random_trees([17, 3], seed=45)
+    batch = make_batch([18, 4], [129, 77], (8, 2), 64, dtype, seed=45)
+    mask = padded_tree_mask(trees, 18, 45)
+    assert_close(run_prefix_given(batch, mask), run_reference(batch, mask))
+    assert_close(run_prefix_given(batch, None), run_reference(batch, None))
+
+
+def test_prefix_given_plan_and_launch_must_agree():
+    batch = make_batch([17], [40], (8, 2), 64, BF16, seed=46)
+    mask = padded_tree_mask(random_trees([16], seed=46), 17, 46)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+            batch.seq_lens, batch.query_start_loc, mask, SCALE)
+    out = torch.zeros_like(batch.query)
+    lse = torch.zeros(8, batch.query.shape[0], device=DEVICE)
+    with pytest.raises(ValueError, match="prefix_lse"):
+        launch_tree_attention(plan_tree_attention(*args, prefix_given=True), batch.query,
+                              batch.key_cache, batch.value_cache, out)
+    with pytest.raises(ValueError, match="prefix_lse"):
+        launch_tree_attention(plan_tree_attention(*args), batch.query, batch.key_cache,
+                              batch.value_cache, out, lse)
+    with pytest.raises(ValueError, match="num_splits=4"):
+        plan_tree_attention(*args, prefix_given=True, num_splits=4)
+    with pytest.raises(ValueError, match="num_heads=8"):
+        tree_attention_triton(*args, out=out, prefix_lse=lse[:4])
+
+
+@pytest.mark.parametrize("attention", ["twin", "flash_attn"])
+def test_flash_prefix_step_matches_reference(attention: str, monkeypatch):
+    """attention/cuda.py's FlashAttention-prefix step: FlashAttention 3 itself on a GPU
+    that has vLLM's build, its torch twin elsewhere; a plan per step, reused by a
+    second layer of the step, whose output must be its own."""
+    cuda = pytest.importorskip("vllm_ddtree.attention.cuda")
+    if attention == "flash_attn":
+        if DEVICE.type != "cuda" or getattr(
+            cuda.flash_attn_backend, "flash_attn_varlen_func", None
+        ) is None:
+            pytest.skip("needs vLLM's FlashAttention 3 on CUDA")
+    else:
+        def twin(*, q, k, v, out, cu_seqlens_q, seqused_k, block_table, softmax_scale,
+                 causal, return_softmax_lse, **unused):
+            assert not causal and return_softmax_lse
+            seq_lens = seqused_k + cu_seqlens_q.diff()  # the prefix plus the verify rows
+            result, lse = prefix_attention_reference(
+                q, k, v, block_table, seq_lens, cu_seqlens_q, softmax_scale
+            )
+            return out.copy_(result), lse
+
+        monkeypatch.setattr(cuda.flash_attn_backend, "flash_attn_varlen_func", twin,
+                            raising=False)
+    from types import SimpleNamespace
+
+    budgets = [16, 0, 7]
+    trees = random_trees(budgets, seed=47)
+    mask = pack_tree_mask(padded_tree_mask(trees, 17, 47))
+    first = make_batch([len(t) for t in trees], [3000, 12, 290], (32, 8), 128, BF16,
+                       seed=47, flash_layout=True)
+    gen = torch.Generator(device=DEVICE).manual_seed(48)
+    second = dataclasses.replace(
+        first, query=torch.randn(first.query.shape, generator=gen, device=DEVICE).to(BF16)
+    )
+    tree = SimpleNamespace(attention_plans={})
+    for layer in (first, second):
+        out = torch.full_like(layer.query, float("nan"))
+        cuda.flash_prefix_step(
+            tree, layer.query, layer.key_cache, layer.value_cache, layer.block_table,
+            layer.seq_lens, layer.query_start_loc, mask, SCALE,
+            max_query_len=17, max_seq_len=int(layer.seq_lens.max()), num_splits=0,
+            fa_version=3, out=out,
+        )
+        assert not out.isnan().any()
+        assert_close(out, run_reference(layer, mask))
+    assert len(tree.attention_plans) == 1

@@ -114,6 +114,26 @@ def test_tree_attention_warm_up_runs_both_split_variants_and_reads_only(monkeypa
         assert torch.equal(cache.view(torch.int16), old.view(torch.int16))
 
 
+def test_tree_attention_warm_up_runs_the_prefix_given_variant(monkeypatch):
+    """A layer whose prefix FlashAttention takes also launches the tree kernel with
+    the prefix given: that variant compiles at start-up too, and only for it."""
+    from vllm_ddtree.attention import triton_tree
+
+    seen: list = []
+    monkeypatch.setattr(triton_tree, "tree_attention_kernel",
+                        KernelRecorder(triton_tree.tree_attention_kernel, seen))
+    gen = torch.Generator().manual_seed(3)
+    caches = make_caches(2, 3, 2, 16, 2 * 32, torch.bfloat16, gen)
+    width = 9
+    buffer = mask_buffer(2, width, torch.device(DEVICE))
+    for flash_prefix, expected in ((True, [False, False, True]), (False, [False, False])):
+        seen.clear()
+        layers = [warmup.AttentionShape(4, 32, 32 ** -0.5, cache, flash_prefix=flash_prefix)
+                  for cache in caches]
+        warmup.warm_up_tree_attention(layers, torch.bfloat16, width, buffer[:1])
+        assert [kw["PREFIX_GIVEN"] for _, kw in seen] == expected
+
+
 def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypatch):
     """Small batches take lighter tiles than large ones (pick_tile_config): every
     configuration a batch of 1 to max_num_reqs would launch is compiled at start-up, each

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,7 +31,12 @@ MAX_BUDGET = 512
 MAX_BLOCK_SIZE = 64
 
 # User-facing keys in --speculative-config, mapped to DDTreeConfig fields.
-USER_KEYS = {"ddtree_budget": "budget", "ddtree_topk_cap": "topk_cap"}
+USER_KEYS = {
+    "ddtree_budget": "budget",
+    "ddtree_topk_cap": "topk_cap",
+    "ddtree_prefix_attention": "prefix_attention",
+}
+PREFIX_ATTENTION = ("auto", "flash_attn", "triton")
 DEFAULT_BUDGET = 16
 
 
@@ -59,6 +64,14 @@ class DDTreeConfig(BaseModel):
         "checkpoint config.",
     )
     vocab_size: int = Field(ge=2, description="Target vocabulary size.")
+    prefix_attention: Literal["auto", "flash_attn", "triton"] = Field(
+        "auto",
+        description="Who attends verify rows to the cached prefix on CUDA "
+        "(ddtree_prefix_attention): 'flash_attn' = FlashAttention 3, then the tree "
+        "kernel over the tree keys only, merged by LSE; 'triton' = the tree kernel "
+        "alone; 'auto' = flash_attn where the FLASH_ATTN backend runs FlashAttention "
+        "3 in 16 bits, else triton.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DDTreeConfig:
@@ -156,7 +169,8 @@ def _user_message(exc: ValueError) -> str:
         parts.append(f"{key}={err.get('input')!r}: {msg}")
     allowed = (
         f"allowed: ddtree_budget in 1..{MAX_BUDGET}, "
-        "ddtree_topk_cap >= 1 or null"
+        "ddtree_topk_cap >= 1 or null, "
+        f"ddtree_prefix_attention in {', '.join(PREFIX_ATTENTION)}"
     )
     return "Invalid DDTree config: " + "; ".join(parts) + f" ({allowed})."
 

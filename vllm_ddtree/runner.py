@@ -303,6 +303,8 @@ def warm_up_kernels(runner: GPUModelRunner) -> None:
     state: DDTreeRunnerState | None = getattr(runner, "ddtree_state", None)
     if state is None or runner.device.type != "cuda":
         return
+    from vllm_ddtree.attention.cuda import takes_prefix_on_flash_attn  # CUDA backends
+
     start = time.perf_counter()
     state.kv_groups = None  # the caches were just (re)bound: find the groups anew
     try:
@@ -313,7 +315,8 @@ def warm_up_kernels(runner: GPUModelRunner) -> None:
         )
         context = runner.compilation_config.static_forward_context
         warm_up_tree_attention(
-            [AttentionShape(impl.num_heads, impl.head_size, impl.scale, kv_cache)
+            [AttentionShape(impl.num_heads, impl.head_size, impl.scale, kv_cache,
+                            flash_prefix=takes_prefix_on_flash_attn(impl, runner.dtype))
              for group in groups
              for name, kv_cache in zip(group.layer_names, group.kv_caches)
              for impl in [context[name].impl]],

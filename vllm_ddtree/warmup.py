@@ -59,6 +59,9 @@ class AttentionShape:
     head_size: int
     scale: float
     kv_cache: torch.Tensor  # [num_blocks, num_kv_heads, block_size, 2 * head_size]
+    # FlashAttention takes the prefix (attention/cuda.py): the tree kernel's
+    # prefix-given variant runs too.
+    flash_prefix: bool = False
 
 
 def warm_up_step_kernels(
@@ -142,15 +145,16 @@ def warm_up_tree_attention(
     max_num_reqs: int = 1,  # the engine's largest batch
 ) -> None:
     """The tree kernel for each distinct layer shape and each tile configuration a batch
-    of 1 to ``max_num_reqs`` requests can pick, without and with a split of the keys:
-    one request of ``width`` rows over a context long enough to split, all its pages
-    the cache's first page. Only the scratch query's output is written."""
+    of 1 to ``max_num_reqs`` requests can pick, without and with a split of the keys
+    (and with the prefix given, for layers whose prefix FlashAttention takes): one
+    request of ``width`` rows over a context long enough to split, all its pages the
+    cache's first page. Only the scratch query's output is written."""
     from vllm_ddtree.attention.cuda import split_kv_cache  # CUDA backends only
 
     seen: set[tuple] = set()
     for layer in layers:
         key = (layer.num_heads, layer.head_size, tuple(layer.kv_cache.shape),
-               layer.kv_cache.stride(), layer.kv_cache.dtype)
+               layer.kv_cache.stride(), layer.kv_cache.dtype, layer.flash_prefix)
         if key in seen:
             continue
         seen.add(key)
@@ -168,6 +172,13 @@ def warm_up_tree_attention(
                                       query_start, packed_mask, layer.scale,
                                       max_query_len=width, max_seq_len=seq_len,
                                       num_splits=num_splits, config=config)
+            if layer.flash_prefix:
+                lse = torch.zeros(layer.num_heads, width, device=device)
+                tree_attention_triton(query, key_cache, value_cache, block_table, seq_lens,
+                                      query_start, packed_mask, layer.scale,
+                                      max_query_len=width, max_seq_len=seq_len,
+                                      out=torch.zeros_like(query), config=config,
+                                      prefix_lse=lse)
 
 
 def tile_configs(num_heads: int, head_size: int, num_kv_heads: int, dtype: torch.dtype,

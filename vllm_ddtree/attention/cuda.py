@@ -11,6 +11,14 @@ parent's:
 - a mixed step (some requests prefilling) runs the parent over every row,
   then recomputes the tree requests' rows with the tree kernel.
 
+On FLASH_ATTN with FlashAttention 3 in 16 bits, a steady-state step splits each
+layer's tree attention in two (``ddtree_prefix_attention``, "auto" by default):
+FlashAttention, non-causal, over each request's prefix alone (``seqused_k =
+seq_len - query_len``), returning its LSE; then the tree kernel starts from that
+partial softmax and attends to the tree keys only (:func:`flash_prefix_step`).
+FlashAttention 3 is about 1.8x faster than the tree kernel over a long prefix
+(benchmarks/README.md), and the tree keys are at most budget + 1.
+
 CUDA graphs: the builders declare ``UNIFORM_BATCH`` support, so vLLM captures
 full graphs for uniform batches of ``budget + 1`` query rows per request (the
 steady state of tree decoding) and piecewise graphs, with attention run
@@ -35,7 +43,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from vllm.config.vllm import get_current_vllm_config_or_none
+from vllm.logger import init_logger
+from vllm.utils.torch_utils import canonicalize_singleton_dim_strides
 from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends import flash_attn as flash_attn_backend
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -58,7 +70,10 @@ from vllm_ddtree.attention.triton_tree import (
     tree_attention_triton,
 )
 from vllm_ddtree.compaction import SlotMoves, block_slot_moves
+from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.sync import step_phase
+
+logger = init_logger(__name__)
 
 
 def split_kv_cache(
@@ -121,8 +136,85 @@ def tree_attention_step(
     launch_tree_attention(plan, query, key_cache, value_cache, out)
 
 
+def flash_prefix_step(
+    tree: TreeAttentionInfo,
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, verify tokens included
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    packed_mask: torch.Tensor,  # [num_reqs, width, words] int32
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int,
+    fa_version: int,
+    out: torch.Tensor,
+) -> None:
+    """Tree attention as FlashAttention over the prefixes plus the tree kernel over
+    the trees, merged by LSE; the plan and the prefix lengths are made by the step's
+    first layer and reused by the others (as in :func:`tree_attention_step`)."""
+    metadata = (block_table, seq_lens, query_start_loc, packed_mask)
+    storage = tuple(t.data_ptr() for t in metadata)
+    key = ("flash_prefix", plan_signature(query, key_cache, value_cache, out), storage)
+    entry = tree.attention_plans.get(key)
+    if entry is None:
+        plan = plan_tree_attention(
+            query, key_cache, value_cache, *metadata, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
+            prefix_given=True,
+        )
+        prefix_lens = seq_lens - query_start_loc.diff()  # [num_reqs] int32, on the device
+        entry = tree.attention_plans[key] = (plan, prefix_lens)
+    plan, prefix_lens = entry
+    _, prefix_lse = flash_attn_backend.flash_attn_varlen_func(
+        q=query, out=out,
+        # FA3's TMA wants 16-byte strides on size-1 dims too (one KV head under TP).
+        k=canonicalize_singleton_dim_strides(key_cache),
+        v=canonicalize_singleton_dim_strides(value_cache),
+        cu_seqlens_q=query_start_loc, max_seqlen_q=max_query_len,
+        seqused_k=prefix_lens, max_seqlen_k=max_seq_len,
+        softmax_scale=scale, causal=False, block_table=block_table,
+        return_softmax_lse=True, fa_version=fa_version, num_splits=num_splits,
+    )
+    launch_tree_attention(plan, query, key_cache, value_cache, out, prefix_lse)
+
+
+def prefix_on_flash_attn(choice: str, fa_version: int | None, dtype: torch.dtype) -> bool:
+    """Whether FlashAttention takes the verify rows' prefix (ddtree_prefix_attention):
+    FlashAttention 3 in fp16/bf16 only; asked for where it cannot run, say why."""
+    usable = fa_version == 3 and dtype in (torch.float16, torch.bfloat16)
+    if choice == "flash_attn" and not usable:
+        raise ValueError(
+            f"ddtree_prefix_attention='flash_attn' needs FlashAttention 3 and fp16 or "
+            f"bf16 attention; this layer runs FlashAttention {fa_version} in {dtype}. "
+            f"Use 'auto' or 'triton'."
+        )
+    return choice != "triton" and usable
+
+
+def takes_prefix_on_flash_attn(impl, dtype: torch.dtype) -> bool:
+    """Whether a target layer's steady-state steps will run :func:`flash_prefix_step`
+    (for the start-up warm-up; a choice that cannot run fails at the first tree)."""
+    choice = getattr(impl, "_ddtree_prefix_choice", None)
+    if choice is None:  # not a DDTree CUDA impl
+        return False
+    try:
+        return prefix_on_flash_attn(choice, getattr(impl, "vllm_flash_attn_version", None),
+                                    dtype)
+    except ValueError:
+        return False
+
+
 class TreeRowsImplMixin:
     """``forward`` of a CUDA attention impl with ancestor-masked verify rows."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        ddtree = get_ddtree_config(get_current_vllm_config_or_none())
+        self._ddtree_prefix_choice = ddtree.prefix_attention if ddtree else "auto"
 
     def forward(
         self,
@@ -145,6 +237,15 @@ class TreeRowsImplMixin:
         if not getattr(self, "_ddtree_checked", False):
             # Only layers that see trees (the target's) need the tree kernel's features.
             check_tree_support(self, output_scale, output_block_scale)
+            fa_version = getattr(self, "vllm_flash_attn_version", None)
+            self._ddtree_flash_prefix = prefix_on_flash_attn(
+                self._ddtree_prefix_choice, fa_version, query.dtype
+            )
+            if self._ddtree_flash_prefix:
+                logger.info_once(
+                    "DDTree tree attention: FlashAttention %d over the prefix, the tree "
+                    "kernel over the tree keys", fa_version,
+                )
             self._ddtree_checked = True
         if not tree.all_rows_are_tree_rows:
             super().forward(
@@ -165,6 +266,22 @@ class TreeRowsImplMixin:
     ) -> None:
         key_cache, value_cache = split_kv_cache(kv_cache)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
+        if tree.all_rows_are_tree_rows and self._ddtree_flash_prefix:
+            num_reqs = tree.num_reqs
+            flash_prefix_step(
+                tree, query, key_cache, value_cache,
+                attn_metadata.block_table[:num_reqs],
+                attn_metadata.seq_lens[:num_reqs],
+                attn_metadata.query_start_loc[: num_reqs + 1],
+                tree.packed_mask,
+                self.scale,
+                max_query_len=tree.width,
+                max_seq_len=attn_metadata.max_seq_len,
+                num_splits=attn_metadata.max_num_splits,
+                fa_version=self.vllm_flash_attn_version,
+                out=out,
+            )
+            return
         if tree.all_rows_are_tree_rows:  # one call over the batch
             num_reqs = tree.num_reqs
             tree_attention_step(

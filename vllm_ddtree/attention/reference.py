@@ -30,6 +30,7 @@ import torch
 
 __all__ = [
     "pack_tree_mask",
+    "prefix_attention_reference",
     "tree_attention_reference",
     "unpack_tree_mask",
     "write_kv_to_cache",
@@ -88,6 +89,45 @@ def tree_attention_reference(
         mask = _verify_rows_mask(request_mask, num_queries, seq_len, query.device)
         output[rows] = _masked_attention(query[rows], key, value, mask, scale)
     return output
+
+
+def prefix_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, including the verify tokens
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out as query; lse [num_heads, num_tokens] float32
+    """Attention of each verify row over its request's prefix alone (positions
+    ``< seq_len - n_r``, no mask), and its natural-log LSE: the torch twin of the
+    non-causal FlashAttention call that the tree kernel's ``prefix_lse`` mode resumes
+    from. As FlashAttention does, a row without prefix keys gets output 0 and LSE
+    +inf; padding rows are left 0 (LSE +inf)."""
+    query_lens = _check_paged_inputs(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc
+    )
+    output = torch.zeros_like(query)
+    lse = torch.full(  # [num_heads, num_tokens], FlashAttention's softmax_lse layout
+        (query.shape[1], query.shape[0]), float("inf"), device=query.device
+    )
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r, (num_queries, seq_len) in enumerate(zip(query_lens, lens, strict=True)):
+        prefix_len = seq_len - num_queries
+        if num_queries == 0 or prefix_len == 0:
+            continue
+        rows = slice(starts[r], starts[r] + num_queries)
+        key = _gather_kv(key_cache, block_table[r], prefix_len)
+        value = _gather_kv(value_cache, block_table[r], prefix_len)
+        group = query.shape[1] // key.shape[1]
+        key = key.float().repeat_interleave(group, dim=1)  # [p, num_heads, head_dim]
+        value = value.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[rows].float(), key) * scale
+        lse[:, rows] = torch.logsumexp(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        output[rows] = torch.einsum("hqk,khd->qhd", probs, value).to(query.dtype)
+    return output, lse
 
 
 def pack_tree_mask(

@@ -59,6 +59,9 @@ class TreeAttentionPlan:
     step_args: tuple  # block table, seq lens, query_start_loc, mask and the scalars after them
     stride_args: tuple  # K, V, block-table and mask strides (query's and out's: per launch)
     constexprs: dict
+    # ``out`` comes holding the prefix's attention and the launch brings its LSE
+    # (FlashAttention over the prefix): the kernel attends to the tree keys only.
+    prefix_given: bool = False
 
 
 def plan_signature(
@@ -90,8 +93,10 @@ def plan_tree_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     config: TileConfig | None = None,
+    prefix_given: bool = False,
 ) -> TreeAttentionPlan:
-    """Check the inputs and choose tiles, splits and grid (tree_attention_triton's keywords)."""
+    """Check the inputs and choose tiles, splits and grid (tree_attention_triton's
+    keywords; ``prefix_given``: its ``prefix_lse`` will come with every launch)."""
     num_reqs = _check_inputs(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out
     )
@@ -108,10 +113,15 @@ def plan_tree_attention(
             f"{max_query_len}: the mask must be sized by budget + 1, not the drafter "
             f"block size"
         )
+    if prefix_given and num_splits not in (None, 1):
+        raise ValueError(
+            f"num_splits={num_splits} with the prefix given: only the tree keys are "
+            f"left, which one split covers"
+        )
     signature = plan_signature(query, key_cache, value_cache, out)
     if num_tokens == 0 or num_reqs == 0:  # nothing to launch: empty, or all zeros
         return TreeAttentionPlan(signature, num_tokens, num_reqs, 0, (0, 0, 0), None, None,
-                                 query_start_loc, (), (), {})
+                                 query_start_loc, (), (), {}, prefix_given)
 
     group = num_heads // num_kv_heads
     num_sms = sm_count(query.device)
@@ -120,7 +130,9 @@ def plan_tree_attention(
     )
     tokens_per_tile = config.block_m // group
     num_q_tiles = max(1, triton.cdiv(max_query_len, tokens_per_tile))
-    if num_splits is None:
+    if prefix_given:
+        num_splits = 1  # the tree keys alone: at most 513
+    elif num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         programs = num_reqs * num_kv_heads * num_q_tiles
@@ -161,10 +173,12 @@ def plan_tree_attention(
             "TOKENS_PER_TILE": tokens_per_tile,
             "HAS_MASK": mask is not None,
             "SPLIT": num_splits > 1,
+            "PREFIX_GIVEN": prefix_given,
             "DOT_PRECISION": "tf32x3" if query.dtype == torch.float32 else "tf32",
             "num_warps": config.num_warps,
             "num_stages": config.num_stages,
         },
+        prefix_given=prefix_given,
     )
 
 

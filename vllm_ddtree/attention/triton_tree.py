@@ -21,6 +21,12 @@ Kernel design (one program per query tile x KV head x KV split):
   and ``merge_splits_kernel`` combines them.
 - Grid axis 0 is the query tile, so the tiles that read the same K/V run together and
   share it through L2.
+- Prefix given (``prefix_lse``): another kernel (FlashAttention 3 on Hopper, whose
+  prefix pass is faster than this kernel's) has already written each verify row's
+  attention over the prefix alone into ``out``, with its natural-log LSE. The kernel
+  then starts its online softmax from that partial result (``m = lse * log2 e``,
+  ``l = 1``, ``acc = o``) and attends to the tree keys only: one more launch, a few
+  microseconds, and the prefix runs at FlashAttention's speed.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ def tree_attention_triton(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     config: TileConfig | None = None,
+    prefix_lse: torch.Tensor | None = None,  # [num_heads, >= num_tokens] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton twin of ``tree_attention_reference``; the extra keywords are optional.
 
@@ -75,13 +82,19 @@ def tree_attention_triton(
     ``max_seq_len`` only the split count (``num_splits`` overrides it). ``out`` is
     written in full, padding rows included. A step's layers share one
     :func:`plan_tree_attention` and call :func:`launch_tree_attention` each.
+
+    With ``prefix_lse``, ``out`` must already hold every verify row's attention over
+    its prefix alone (keys ``< seq_len - n_r``) and ``prefix_lse`` that attention's
+    natural-log LSE, FlashAttention's ``softmax_lse`` (``prefix_attention_reference``
+    is its torch twin; +-inf marks a row without prefix keys): the kernel adds the
+    tree keys to it in place.
     """
     plan = plan_tree_attention(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, tree_mask,
         scale, max_query_len=max_query_len, max_seq_len=max_seq_len, num_splits=num_splits,
-        out=out, config=config,
+        out=out, config=config, prefix_given=prefix_lse is not None,
     )
-    return launch_tree_attention(plan, query, key_cache, value_cache, out)
+    return launch_tree_attention(plan, query, key_cache, value_cache, out, prefix_lse)
 
 
 def launch_tree_attention(
@@ -90,24 +103,58 @@ def launch_tree_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     out: torch.Tensor | None = None,
+    prefix_lse: torch.Tensor | None = None,  # [num_heads, >= num_tokens] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Run a plan on one layer's tensors; the caller keeps plans by signature, so
-    ``plan_signature(query, key_cache, value_cache, out) == plan.signature``."""
-    out = torch.empty_like(query) if out is None else out
+    ``plan_signature(query, key_cache, value_cache, out) == plan.signature``. A plan
+    made with ``prefix_given`` takes the layer's ``prefix_lse`` and ``out`` holding
+    the prefix's attention (tree_attention_triton)."""
+    if plan.prefix_given != (prefix_lse is not None):
+        raise ValueError(
+            "a plan made with prefix_given needs the layer's prefix_lse (and out holding "
+            "the prefix's attention); a plan without it takes none"
+        )
+    if out is None:
+        if prefix_lse is not None:
+            raise ValueError("prefix_lse needs out, which holds the prefix's attention")
+        out = torch.empty_like(query)
     if plan.num_tokens == 0:
         return out
     if plan.num_reqs == 0:
         return out.zero_()
     part_out = plan.part_out if plan.part_out is not None else out  # unused without splits
     part_lse = plan.part_lse if plan.part_lse is not None else out
+    if prefix_lse is None:
+        lse_args = (out, 0, 0)  # unused
+    else:
+        _check_prefix_lse(prefix_lse, query)
+        lse_args = (prefix_lse, prefix_lse.stride(0), prefix_lse.stride(1))
     tree_attention_kernel[plan.grid](
-        out, part_out, part_lse, query, key_cache, value_cache, *plan.step_args,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        *plan.stride_args, **plan.constexprs,
+        out, part_out, part_lse, *lse_args[:1], query, key_cache, value_cache,
+        *plan.step_args, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        *lse_args[1:], *plan.stride_args, **plan.constexprs,
     )
     if plan.num_splits > 1:
         merge_splits(out, plan.part_out, plan.part_lse, plan.query_start_loc)
     return out
+
+
+def _check_prefix_lse(
+    prefix_lse: torch.Tensor,  # [num_heads, >= num_tokens] float32
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+) -> None:
+    if (
+        prefix_lse.dtype != torch.float32
+        or prefix_lse.dim() != 2
+        or prefix_lse.shape[0] != query.shape[1]
+        or prefix_lse.shape[1] < query.shape[0]
+        or prefix_lse.device != query.device
+    ):
+        raise ValueError(
+            f"prefix_lse must be float32 [num_heads={query.shape[1]}, >= num_tokens="
+            f"{query.shape[0]}] on {query.device} (FlashAttention's softmax_lse), got "
+            f"{prefix_lse.dtype} {tuple(prefix_lse.shape)} on {prefix_lse.device}"
+        )
 
 
 def merge_splits(
@@ -146,6 +193,7 @@ def merge_splits(
         "block_table_stride",
         "mask_stride_r",
         "mask_stride_q",
+        "lse_stride_h",  # FlashAttention's LSE is [num_heads, num_tokens]: batch-dependent
     ],
     # Per-request metadata: read one value at a time, so alignment buys nothing, and a
     # slice of it starting mid-buffer would otherwise compile a second variant.
@@ -155,6 +203,7 @@ def tree_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     part_out_ptr,  # [num_splits, num_tokens, num_heads, head_dim] float32 (SPLIT)
     part_lse_ptr,  # [num_splits, num_tokens, num_heads] float32 (SPLIT)
+    prefix_lse_ptr,  # [num_heads, >= num_tokens] float32, natural log (PREFIX_GIVEN)
     query_ptr,  # [num_tokens, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, page_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, page_size, num_kv_heads, head_dim]
@@ -170,6 +219,8 @@ def tree_attention_kernel(
     query_stride_h,
     out_stride_t,
     out_stride_h,
+    lse_stride_h,
+    lse_stride_t,
     k_stride_b,
     k_stride_s,
     k_stride_h,
@@ -189,6 +240,7 @@ def tree_attention_kernel(
     TOKENS_PER_TILE: tl.constexpr,  # BLOCK_M // GROUP
     HAS_MASK: tl.constexpr,
     SPLIT: tl.constexpr,
+    PREFIX_GIVEN: tl.constexpr,  # out holds the prefix's attention, its LSE given
     DOT_PRECISION: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
@@ -235,35 +287,51 @@ def tree_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: masked rows stay NaN-free
     block_table_row = block_table_ptr + req.to(tl.int64) * block_table_stride
+    out_ptrs = (
+        out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + offs_d[None, :]
+    )
+    if PREFIX_GIVEN:
+        # Resume from the prefix's softmax: sum_k 2^(s_k) = 2^m with l = 1, acc = o.
+        lse = tl.load(
+            prefix_lse_ptr + head * lse_stride_h + token * lse_stride_t,
+            mask=row_ok,
+            other=float("inf"),
+        )
+        has_prefix = (lse != float("inf")) & (lse != float("-inf"))  # FA: +inf if empty
+        m_i = tl.where(has_prefix, lse * 1.4426950408889634, -1.0e30)
+        l_i = tl.where(has_prefix, 1.0, 0.0)
+        o_prefix = tl.load(out_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.where(has_prefix[:, None], o_prefix.to(tl.float32), 0.0)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: masked rows stay NaN-free
 
-    # Prefix: this split's chunk of [0, prefix_len), unmasked full tiles + one tail.
-    chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
-    p_lo = split * chunk
-    p_hi = tl.minimum(p_lo + chunk, prefix_len)
-    full_hi = p_lo + tl.maximum(p_hi - p_lo, 0) // BLOCK_N * BLOCK_N
-    no_mask = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int1)
-    for start in range(p_lo, full_hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, keys, keys < p_hi, no_mask, kv_head, qk_scale,
-            key_cache_ptr, value_cache_ptr, block_table_row,
-            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
-            offs_d, d_ok,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, False, DOT_PRECISION,
-        )
-    if full_hi < p_hi:
-        keys = full_hi + tl.arange(0, BLOCK_N)
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, keys, keys < p_hi, no_mask, kv_head, qk_scale,
-            key_cache_ptr, value_cache_ptr, block_table_row,
-            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
-            offs_d, d_ok,
-            HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, False, DOT_PRECISION,
-        )
+        # Prefix: this split's chunk of [0, prefix_len), unmasked full tiles + one tail.
+        chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+        p_lo = split * chunk
+        p_hi = tl.minimum(p_lo + chunk, prefix_len)
+        full_hi = p_lo + tl.maximum(p_hi - p_lo, 0) // BLOCK_N * BLOCK_N
+        no_mask = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int1)
+        for start in range(p_lo, full_hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, keys, keys < p_hi, no_mask, kv_head, qk_scale,
+                key_cache_ptr, value_cache_ptr, block_table_row,
+                k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+                offs_d, d_ok,
+                HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, False, DOT_PRECISION,
+            )
+        if full_hi < p_hi:
+            keys = full_hi + tl.arange(0, BLOCK_N)
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, keys, keys < p_hi, no_mask, kv_head, qk_scale,
+                key_cache_ptr, value_cache_ptr, block_table_row,
+                k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+                offs_d, d_ok,
+                HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, False, DOT_PRECISION,
+            )
 
     # Tree: verify tokens j = 0 .. num_queries - 1, tiles dealt round-robin to splits.
     request_mask = mask_ptr + req.to(tl.int64) * mask_stride_r
@@ -300,14 +368,7 @@ def tree_attention_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
     else:
-        tl.store(
-            out_ptr
-            + token[:, None] * out_stride_t
-            + head[:, None] * out_stride_h
-            + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=store_ok,
-        )
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_ok)
 
 
 @triton.jit
