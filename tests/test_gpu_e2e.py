@@ -21,8 +21,9 @@ walk, compaction) raises and fails the test.
   tree kernel; a prompt of exactly budget + 1 tokens checks that its prefill,
   which has the same shape, gets causal attention all the same;
 - mixed steps (chunked prefill next to tree verification), same rule;
-- bfloat16 (FLASH_ATTN): the share of identical tokens, and every divergence
-  starts where the reference's two best tokens are nearly tied;
+- bfloat16 (FLASH_ATTN, whose steady-state steps run FlashAttention 3 over the
+  prefix and the tree kernel over the trees): the share of identical tokens, and
+  every divergence starts where the reference's two best tokens are nearly tied;
 - ``ddtree_topk_cap: 1`` with budget = block_size - 1 reproduces vLLM's native
   DFlash chain: same tokens, same draft and acceptance counters.
 """
@@ -137,12 +138,18 @@ def test_mixed_prefill_and_tree_steps(gpu_qwen3, make_drafter, monkeypatch, tmp_
     assert assert_identical_or_near_tie(got, reference, FLOAT32_NEAR_TIE) >= len(prompts) - 1
 
 
-def test_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path):
+def test_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path, capfd):
+    """On FLASH_ATTN in bf16 the default ddtree_prefix_attention ('auto') lets
+    FlashAttention 3 take the prefix and the tree kernel the trees; the engine says so
+    in its log (captured from the engine process through the file descriptors)."""
     config = {"method": "ddtree", "model": str(make_drafter(gpu_qwen3, BLOCK)),
               "ddtree_budget": 16}
     _, reference, got = reference_then_ddtree(
         gpu_qwen3, PROMPTS16, config, monkeypatch, tmp_path, dtype="bfloat16", graphs=True
     )
+    log = "".join(capfd.readouterr())
+    assert "Using FLASH_ATTN attention backend" in log
+    assert "DDTree tree attention: FlashAttention 3 over the prefix" in log
     expected = [r[0] for r in reference]
     same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
     total = sum(len(e) for e in expected)

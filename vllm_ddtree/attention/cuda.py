@@ -73,7 +73,7 @@ from vllm_ddtree.compaction import SlotMoves, block_slot_moves
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.sync import step_phase
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
 
 def split_kv_cache(
