@@ -143,7 +143,7 @@ def tree_info(batch: Batch, tree_sizes: list[int], seed: int) -> TreeAttentionIn
 class StandInParent:
     """A platform impl that marks the rows it computed."""
 
-    num_heads, head_size, scale = HEADS, HEAD_DIM, HEAD_DIM**-0.5
+    num_heads, num_kv_heads, head_size, scale = HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5
 
     def __init__(self) -> None:
         self.calls = 0
@@ -284,6 +284,28 @@ def test_who_attends_the_prefix(choice, fa_version, dtype, path, monkeypatch):
     if path == "flash_prefix":
         assert calls[0][1:] == (32, 3)  # vLLM's split bound and FlashAttention version
     assert not output[:8].isnan().any()
+
+
+@pytest.mark.parametrize("choice,path", [("auto", "tree"), ("flash_attn", "flash_prefix")])
+def test_auto_leaves_a_batch_that_fills_the_gpu_to_the_tree_kernel(choice, path, monkeypatch):
+    """66 requests x 2 KV heads fill an H200's 132 SMs (the CPU plans as for one):
+    "auto" runs the tree kernel alone, "flash_attn" FlashAttention all the same."""
+    calls = []
+    monkeypatch.setattr(cuda, "flash_prefix_step", lambda *a, **k: calls.append("flash_prefix"))
+    monkeypatch.setattr(cuda, "tree_attention_step", lambda *a, **k: calls.append("tree"))
+    for num_reqs, expected in ((65, "flash_prefix"), (66, path)):
+        calls.clear()
+        batch = make_batch([2] * num_reqs, [3] * num_reqs, seed=16)
+        batch.query = batch.query.to(torch.bfloat16)
+        info = tree_info(batch, [2] * num_reqs, seed=17)
+        info.prepare_for(torch.device("cpu"))
+        impl = Impl()
+        impl._ddtree_prefix_choice = choice
+        impl.vllm_flash_attn_version = 3
+        metadata = SimpleNamespace(**vars(batch.metadata), tree=info, max_num_splits=0)
+        impl.forward(None, batch.query, None, None, batch.kv_cache.to(torch.bfloat16),
+                     metadata, torch.zeros_like(batch.query))
+        assert calls == [expected], num_reqs
 
 
 def test_impl_reads_the_choice_from_the_vllm_config(monkeypatch):
