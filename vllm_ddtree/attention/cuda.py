@@ -284,35 +284,20 @@ class TreeRowsImplMixin:
     ) -> None:
         key_cache, value_cache = split_kv_cache(kv_cache)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        if tree.all_rows_are_tree_rows and self._flash_prefix_for(tree.num_reqs, query.device):
-            num_reqs = tree.num_reqs
-            flash_prefix_step(
-                tree, query, key_cache, value_cache,
-                attn_metadata.block_table[:num_reqs],
-                attn_metadata.seq_lens[:num_reqs],
-                attn_metadata.query_start_loc[: num_reqs + 1],
-                tree.packed_mask,
-                self.scale,
-                max_query_len=tree.width,
-                max_seq_len=attn_metadata.max_seq_len,
-                num_splits=attn_metadata.max_num_splits,
-                fa_version=self.vllm_flash_attn_version,
-                out=out,
-            )
-            return
         if tree.all_rows_are_tree_rows:  # one call over the batch
             num_reqs = tree.num_reqs
-            tree_attention_step(
-                tree, query, key_cache, value_cache,
-                attn_metadata.block_table[:num_reqs],
-                attn_metadata.seq_lens[:num_reqs],
-                attn_metadata.query_start_loc[: num_reqs + 1],
-                tree.packed_mask,
-                self.scale,
-                max_query_len=tree.width,
-                max_seq_len=attn_metadata.max_seq_len,
-                out=out,
-            )
+            args = (tree, query, key_cache, value_cache,
+                    attn_metadata.block_table[:num_reqs],
+                    attn_metadata.seq_lens[:num_reqs],
+                    attn_metadata.query_start_loc[: num_reqs + 1],
+                    tree.packed_mask, self.scale)
+            bounds = {"max_query_len": tree.width,
+                      "max_seq_len": attn_metadata.max_seq_len, "out": out}
+            if self._flash_prefix_for(num_reqs, query.device):
+                flash_prefix_step(*args, **bounds, num_splits=attn_metadata.max_num_splits,
+                                  fa_version=self.vllm_flash_attn_version)
+            else:
+                tree_attention_step(*args, **bounds)
             return
         reqs = tree.req_index
         out[tree.rows] = tree_attention_triton(
