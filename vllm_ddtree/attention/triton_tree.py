@@ -25,8 +25,8 @@ Kernel design (one program per query tile x KV head x KV split):
   prefix pass is faster than this kernel's) has already written each verify row's
   attention over the prefix alone into ``out``, with its natural-log LSE. The kernel
   then starts its online softmax from that partial result (``m = lse * log2 e``,
-  ``l = 1``, ``acc = o``) and attends to the tree keys only: one more launch, a few
-  microseconds, and the prefix runs at FlashAttention's speed.
+  ``l = 1``, ``acc = o``) and attends to the tree keys only (at most budget + 1):
+  one more launch, and the prefix runs at FlashAttention's speed.
 """
 
 from __future__ import annotations
