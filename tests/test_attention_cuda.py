@@ -463,3 +463,20 @@ def test_register_backends_for_cuda():
             enum.clear_override()
     with pytest.raises(NotImplementedError, match="CPU and CUDA devices, not"):
         register_backends("xpu")
+
+
+def test_warm_up_knows_which_layers_take_the_flash_prefix():
+    """The start-up warm-up compiles the prefix-given variant for the layers that will
+    run it, and never fails on a choice that cannot run (the first tree says why)."""
+    def impl(**attrs):
+        return SimpleNamespace(**attrs)
+
+    bf16 = torch.bfloat16
+    assert cuda.takes_prefix_on_flash_attn(impl(), bf16) is False  # not a DDTree impl
+    assert cuda.takes_prefix_on_flash_attn(
+        impl(_ddtree_prefix_choice="auto", vllm_flash_attn_version=3), bf16)
+    assert not cuda.takes_prefix_on_flash_attn(
+        impl(_ddtree_prefix_choice="auto", vllm_flash_attn_version=3), torch.float32)
+    assert not cuda.takes_prefix_on_flash_attn(
+        impl(_ddtree_prefix_choice="triton", vllm_flash_attn_version=3), bf16)
+    assert not cuda.takes_prefix_on_flash_attn(impl(_ddtree_prefix_choice="flash_attn"), bf16)

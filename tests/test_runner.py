@@ -162,7 +162,9 @@ def test_runner_warms_up_every_target_layer_shape(monkeypatch):
     runner = fake_runner({f"model.layers.{i}.attn": cuda.DDTreeTritonAttentionBackend
                           for i in range(2)}, draft_layers=["model.layers.1.attn"])
     for i, layer in enumerate(runner.compilation_config.static_forward_context.values()):
-        layer.impl = SimpleNamespace(num_heads=4 + i, head_size=8, scale=0.5)
+        # The target layer runs FlashAttention 3 over the prefix: its warm-up says so.
+        layer.impl = SimpleNamespace(num_heads=4 + i, head_size=8, scale=0.5,
+                                     _ddtree_prefix_choice="auto", vllm_flash_attn_version=3)
     ddtree = DDTreeConfig(budget=4, topk_cap=None, block_size=8, vocab_size=50)
     runner.ddtree_state = SimpleNamespace(ddtree=ddtree, kv_groups=None,
                                           mask_buffer=torch.zeros(2, 5, 1, dtype=torch.int32))
@@ -174,7 +176,8 @@ def test_runner_warms_up_every_target_layer_shape(monkeypatch):
     assert len(steps) == 1 and steps[0][2:4] == (32, torch.bfloat16)
     (layers, dtype, width, packed, max_num_reqs), = attention
     assert max_num_reqs == 6  # tile configurations for every batch the engine can run
-    assert [(s.num_heads, s.head_size, s.scale) for s in layers] == [(4, 8, 0.5)]  # target only
+    assert [(s.num_heads, s.head_size, s.scale, s.flash_prefix) for s in layers] == [
+        (4, 8, 0.5, True)]  # target only
     assert (dtype, width, tuple(packed.shape)) == (torch.bfloat16, 5, (1, 5, 1))
 
 
