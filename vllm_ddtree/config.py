@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -36,7 +36,8 @@ USER_KEYS = {
     "ddtree_topk_cap": "topk_cap",
     "ddtree_prefix_attention": "prefix_attention",
 }
-PREFIX_ATTENTION = ("auto", "flash_attn", "triton")
+# Who attends verify rows to the cached prefix on CUDA (DDTreeConfig.prefix_attention).
+PrefixAttention = Literal["auto", "flash_attn", "triton"]
 DEFAULT_BUDGET = 16
 
 
@@ -64,7 +65,7 @@ class DDTreeConfig(BaseModel):
         "checkpoint config.",
     )
     vocab_size: int = Field(ge=2, description="Target vocabulary size.")
-    prefix_attention: Literal["auto", "flash_attn", "triton"] = Field(
+    prefix_attention: PrefixAttention = Field(
         "auto",
         description="Who attends verify rows to the cached prefix on CUDA "
         "(ddtree_prefix_attention): 'flash_attn' = FlashAttention 3, then the tree "
@@ -171,7 +172,7 @@ def _user_message(exc: ValueError) -> str:
     allowed = (
         f"allowed: ddtree_budget in 1..{MAX_BUDGET}, "
         "ddtree_topk_cap >= 1 or null, "
-        f"ddtree_prefix_attention in {', '.join(PREFIX_ATTENTION)}"
+        f"ddtree_prefix_attention in {', '.join(get_args(PrefixAttention))}"
     )
     return "Invalid DDTree config: " + "; ".join(parts) + f" ({allowed})."
 

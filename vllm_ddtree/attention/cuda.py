@@ -40,6 +40,7 @@ dimension and V in the second; :func:`split_kv_cache` gives the strided
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,16 +241,24 @@ class TreeRowsImplMixin:
             # Only layers that see trees (the target's) need the tree kernel's features.
             check_tree_support(self, output_scale, output_block_scale)
             fa_version = getattr(self, "vllm_flash_attn_version", None)
-            self._ddtree_flash_prefix = prefix_on_flash_attn(
-                self._ddtree_prefix_choice, fa_version, query.dtype
-            )
-            if self._ddtree_flash_prefix:
+            # Steps of fewer requests than this run flash_prefix_step: all of them when
+            # asked for by name; under "auto" while the tree kernel's grid (requests x
+            # KV heads) leaves SMs idle, where it would need split-KV, which a CUDA
+            # graph captured with the capture's short context never uses. On an H200
+            # (bench_gpu_step, Qwen3-8B shape, 1K prompt) the FlashAttention prefix
+            # made the step 1.5% faster at batch 1, the tree kernel alone 5.5% at 32.
+            self._ddtree_flash_prefix_below = 0
+            if prefix_on_flash_attn(self._ddtree_prefix_choice, fa_version, query.dtype):
+                self._ddtree_flash_prefix_below = (
+                    sys.maxsize if self._ddtree_prefix_choice == "flash_attn"
+                    else -(-sm_count(query.device) // self.num_kv_heads)
+                )
                 logger.info_once(
                     "DDTree tree attention: FlashAttention %d over the prefix, the tree "
                     "kernel over the tree keys (%s)", fa_version,
                     "every step" if self._ddtree_prefix_choice == "flash_attn" else
-                    f"steps of fewer than {-(-sm_count(query.device) // self.num_kv_heads)}"
-                    f" requests; larger ones: the tree kernel alone",
+                    f"steps of fewer than {self._ddtree_flash_prefix_below} requests; "
+                    f"larger ones: the tree kernel alone",
                 )
             self._ddtree_checked = True
         if not tree.all_rows_are_tree_rows:
@@ -260,19 +269,6 @@ class TreeRowsImplMixin:
         with step_phase("ddtree.tree_attention", query.device):
             self._tree_rows_forward(query, kv_cache, attn_metadata, tree, output)
         return output
-
-    def _flash_prefix_for(self, num_reqs: int, device: torch.device) -> bool:
-        """FlashAttention takes this step's prefix: always when asked for by name;
-        under "auto" while the tree kernel's grid (requests x KV heads) cannot fill the
-        SMs, where the tree kernel needs split-KV, which a CUDA graph captured with
-        the capture's short context never uses. Measured on an H200 (bench_gpu_step,
-        Qwen3-8B shape, 1K prompt): FlashAttention's prefix 1.5% faster per step at
-        batch 1, the tree kernel alone 5.5% faster at batch 32."""
-        if not self._ddtree_flash_prefix:
-            return False
-        if self._ddtree_prefix_choice == "flash_attn":
-            return True
-        return num_reqs * self.num_kv_heads < sm_count(device)
 
     def _tree_rows_forward(
         self,
@@ -293,7 +289,7 @@ class TreeRowsImplMixin:
                     tree.packed_mask, self.scale)
             bounds = {"max_query_len": tree.width,
                       "max_seq_len": attn_metadata.max_seq_len, "out": out}
-            if self._flash_prefix_for(num_reqs, query.device):
+            if num_reqs < self._ddtree_flash_prefix_below:
                 flash_prefix_step(*args, **bounds, num_splits=attn_metadata.max_num_splits,
                                   fa_version=self.vllm_flash_attn_version)
             else:
