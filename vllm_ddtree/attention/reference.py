@@ -120,13 +120,10 @@ def prefix_attention_reference(
         rows = slice(starts[r], starts[r] + num_queries)
         key = _gather_kv(key_cache, block_table[r], prefix_len)
         value = _gather_kv(value_cache, block_table[r], prefix_len)
-        group = query.shape[1] // key.shape[1]
-        key = key.float().repeat_interleave(group, dim=1)  # [p, num_heads, head_dim]
-        value = value.float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query[rows].float(), key) * scale
-        lse[:, rows] = torch.logsumexp(scores, dim=-1)
-        probs = torch.softmax(scores, dim=-1)
-        output[rows] = torch.einsum("hqk,khd->qhd", probs, value).to(query.dtype)
+        mask = torch.ones(num_queries, prefix_len, dtype=torch.bool, device=query.device)
+        output[rows], lse[:, rows] = _masked_attention(
+            query[rows], key, value, mask, scale, with_lse=True
+        )
     return output, lse
 
 
@@ -246,8 +243,11 @@ def _masked_attention(
     value: torch.Tensor,  # [s, num_kv_heads, head_dim]
     mask: torch.Tensor,  # [n, s] bool, at least one True per row
     scale: float,
-) -> torch.Tensor:  # [n, num_heads, head_dim] in query.dtype
-    """Softmax attention in float32; query head ``h`` reads KV head ``h // group``."""
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in float32; query head ``h`` reads KV head ``h // group``.
+    Returns ``[n, num_heads, head_dim]`` in query.dtype, and with ``with_lse`` also
+    each row's natural-log LSE of the scaled scores, ``[num_heads, n]`` float32."""
     group = query.shape[1] // key.shape[1]
     key = key.float().repeat_interleave(group, dim=1)  # [s, num_heads, head_dim]
     value = value.float().repeat_interleave(group, dim=1)
@@ -255,7 +255,8 @@ def _masked_attention(
     scores = torch.einsum("qhd,khd->hqk", query.float(), key) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, value).to(query.dtype)
+    out = torch.einsum("hqk,khd->qhd", probs, value).to(query.dtype)
+    return (out, torch.logsumexp(scores, dim=-1)) if with_lse else out
 
 
 def _check_paged_inputs(
