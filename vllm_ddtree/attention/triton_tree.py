@@ -124,15 +124,14 @@ def launch_tree_attention(
         return out.zero_()
     part_out = plan.part_out if plan.part_out is not None else out  # unused without splits
     part_lse = plan.part_lse if plan.part_lse is not None else out
-    if prefix_lse is None:
-        lse_args = (out, 0, 0)  # unused
-    else:
+    if prefix_lse is not None:
         _check_prefix_lse(prefix_lse, query)
-        lse_args = (prefix_lse, prefix_lse.stride(0), prefix_lse.stride(1))
+    lse = prefix_lse if prefix_lse is not None else out  # unused without the prefix given
+    lse_strides = prefix_lse.stride() if prefix_lse is not None else (0, 0)
     tree_attention_kernel[plan.grid](
-        out, part_out, part_lse, *lse_args[:1], query, key_cache, value_cache,
-        *plan.step_args, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        *lse_args[1:], *plan.stride_args, **plan.constexprs,
+        out, part_out, part_lse, lse, query, key_cache, value_cache, *plan.step_args,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *lse_strides,
+        *plan.stride_args, **plan.constexprs,
     )
     if plan.num_splits > 1:
         merge_splits(out, plan.part_out, plan.part_lse, plan.query_start_loc)
