@@ -258,8 +258,9 @@ def test_who_attends_the_prefix(choice, fa_version, dtype, path, monkeypatch):
     calls = []
 
     def flash_prefix(tree, query, key_cache, value_cache, block_table, seq_lens, qsl,
-                     mask, scale, *, out, num_splits, fa_version, **bounds):
-        calls.append(("flash_prefix", num_splits, fa_version))
+                     mask, scale, *, out, num_splits, fa_version, scheduler_metadata,
+                     **bounds):
+        calls.append(("flash_prefix", num_splits, fa_version, scheduler_metadata))
         out.copy_(tree_attention_reference(
             query, key_cache, value_cache, block_table, seq_lens, qsl, mask, scale
         ))
@@ -277,13 +278,38 @@ def test_who_attends_the_prefix(choice, fa_version, dtype, path, monkeypatch):
     impl = Impl()
     impl._ddtree_prefix_choice = choice
     impl.vllm_flash_attn_version = fa_version
-    metadata = SimpleNamespace(**vars(batch.metadata), tree=info, max_num_splits=32)
+    schedule = torch.zeros(8, dtype=torch.int32)
+    metadata = SimpleNamespace(**vars(batch.metadata), tree=info, max_num_splits=32,
+                               scheduler_metadata=schedule, prefix_scheduled_reqs=2)
     output = torch.full_like(batch.query, float("nan"))
     impl.forward(None, batch.query, None, None, batch.kv_cache.to(dtype), metadata, output)
     assert [c[0] for c in calls] == [path]
     if path == "flash_prefix":
-        assert calls[0][1:] == (32, 3)  # vLLM's split bound and FlashAttention version
+        # vLLM's split bound, the FlashAttention version, the builder's prefix schedule
+        assert calls[0][1:] == (32, 3, schedule)
     assert not output[:8].isnan().any()
+
+
+@pytest.mark.parametrize("scheduled_reqs", [-1, 1, 3])
+def test_a_schedule_made_for_another_call_is_not_passed(scheduled_reqs, monkeypatch):
+    """The builder's schedule reaches FlashAttention only when it was made for the
+    prefixes of exactly this step's requests (-1: made for the parent's causal call)."""
+    calls = []
+    monkeypatch.setattr(cuda, "flash_prefix_step",
+                        lambda *a, scheduler_metadata, **k: calls.append(scheduler_metadata))
+    batch = make_batch([5, 3], [7, 12], seed=24)
+    batch.query = batch.query.to(torch.bfloat16)
+    info = tree_info(batch, [5, 3], seed=25)
+    info.prepare_for(torch.device("cpu"))
+    impl = Impl()
+    impl._ddtree_prefix_choice = "auto"
+    impl.vllm_flash_attn_version = 3
+    metadata = SimpleNamespace(**vars(batch.metadata), tree=info, max_num_splits=0,
+                               scheduler_metadata=torch.zeros(8, dtype=torch.int32),
+                               prefix_scheduled_reqs=scheduled_reqs)
+    impl.forward(None, batch.query, None, None, batch.kv_cache.to(torch.bfloat16), metadata,
+                 torch.zeros_like(batch.query))
+    assert calls == [None]
 
 
 @pytest.mark.parametrize("choice,path", [("auto", "tree"), ("flash_attn", "flash_prefix")])
@@ -441,8 +467,98 @@ def test_metadata_classes_carry_the_tree(builder):
     metadata_cls = builder.metadata_cls
     parent = metadata_cls.__mro__[1]
     names = [f.name for f in fields(metadata_cls)]
-    assert names == [f.name for f in fields(parent)] + ["tree"]
+    extra = ["prefix_scheduled_reqs"] if builder is cuda.DDTreeFlashAttentionMetadataBuilder else []
+    assert names == [f.name for f in fields(parent)] + ["tree", *extra]
     assert "tree" in inspect.signature(metadata_cls).parameters
+
+
+def schedule_builder(monkeypatch) -> tuple[cuda.DDTreeFlashAttentionMetadataBuilder, list]:
+    """The FLASH_ATTN builder with just what vLLM's ``_get_scheduler_metadata``
+    reads, and FA3's ``get_scheduler_metadata`` recording what it was asked."""
+    asked = []
+
+    def get_scheduler_metadata(**kwargs):
+        asked.append(kwargs)
+        return torch.full((8,), len(asked), dtype=torch.int32)
+
+    monkeypatch.setattr(cuda.flash_attn_backend, "get_scheduler_metadata",
+                        get_scheduler_metadata, raising=False)
+    builder = object.__new__(cuda.DDTreeFlashAttentionMetadataBuilder)
+    builder.__dict__.update(
+        cache_config=SimpleNamespace(cache_dtype="auto"), kv_cache_dtype=torch.bfloat16,
+        num_heads_q=HEADS, num_heads_kv=KV_HEADS, headdim=HEAD_DIM, dcp_world_size=1,
+        block_size=PAGE, aot_sliding_window=(-1, -1), _prefix_scheduled_reqs=-1,
+    )
+    return builder, asked
+
+
+@pytest.mark.parametrize("case", ["all tree rows", "mixed", "no drafts", "none published"])
+def test_flash_builder_schedules_the_prefix_call(case, monkeypatch):
+    """In a step whose every row is a tree row, the FA3 schedule the builder makes
+    ahead is flash_prefix_step's call (non-causal, the prefixes' keys), and the builder
+    says for how many requests; in any other step it stays the parent's causal call."""
+    builder, asked = schedule_builder(monkeypatch)
+    sizes = {"all tree rows": ([5, 3], [5, 3]), "mixed": ([5, 4], [5, 0]),
+             "no drafts": ([1, 1], [0, 0]), "none published": ([5, 3], [5, 3])}[case]
+    batch = make_batch(sizes[0], [7, 12], seed=18)
+    info = tree_info(batch, sizes[1], seed=19)
+    if case == "no drafts":  # decode rows without drafts are root-only trees, yet no tree
+        info.all_rows_are_tree_rows = True  # is attached: the parent's kernel runs
+    seq_lens, qsl = batch.metadata.seq_lens, batch.metadata.query_start_loc
+    with publishing(None if case == "none published" else info):
+        schedule = builder._get_scheduler_metadata(
+            aot_schedule=True, batch_size=2, cu_query_lens=qsl, max_query_len=5,
+            seqlens=seq_lens, max_seq_len=int(seq_lens.max()), causal=True,
+            max_num_splits=32,
+        )
+    assert torch.equal(schedule, torch.full((8,), 1, dtype=torch.int32))
+    (call,) = asked
+    assert (call["batch_size"], call["max_seqlen_q"], call["num_splits"]) == (2, 5, 32)
+    assert call["max_seqlen_k"] == int(seq_lens.max()) and call["cu_seqlens_q"] is qsl
+    if case == "all tree rows":
+        assert call["causal"] is False and call["window_size"] == (-1, -1)
+        assert call["cache_seqlens"].tolist() == [7, 12]  # the keys before each tree
+        assert builder._prefix_scheduled_reqs == 2
+    else:
+        assert call["causal"] is True and call["cache_seqlens"] is seq_lens
+        assert builder._prefix_scheduled_reqs == -1
+
+
+def test_flash_builder_without_aot_schedule_makes_none(monkeypatch):
+    builder, asked = schedule_builder(monkeypatch)
+    batch = make_batch([5, 3], [7, 12], seed=20)
+    with publishing(tree_info(batch, [5, 3], seed=21)):
+        schedule = builder._get_scheduler_metadata(
+            aot_schedule=False, batch_size=2, cu_query_lens=batch.metadata.query_start_loc,
+            max_query_len=5, seqlens=batch.metadata.seq_lens, max_seq_len=19, causal=True,
+            max_num_splits=0,
+        )
+    assert schedule is None and not asked and builder._prefix_scheduled_reqs == -1
+
+
+def test_flash_builder_marks_its_metadata(monkeypatch):
+    """build() records on the metadata the request count of the prefix schedule, and
+    resets it for the next build (a step without trees, e.g. the drafter's)."""
+    builder, _ = schedule_builder(monkeypatch)
+    batch = make_batch([5, 3], [7, 12], seed=22)
+    info = tree_info(batch, [5, 3], seed=23)
+
+    def parent_build(self, common_prefix_len, common, fast_build=False):
+        qsl, seq_lens = common
+        schedule = self._get_scheduler_metadata(
+            aot_schedule=True, batch_size=2, cu_query_lens=qsl, max_query_len=5,
+            seqlens=seq_lens, max_seq_len=19, causal=True, max_num_splits=0)
+        values = {f.name: None for f in fields(cuda.FlashAttentionMetadata)}
+        values.update(query_start_loc=qsl, seq_lens=seq_lens, scheduler_metadata=schedule)
+        return cuda.FlashAttentionMetadata(**values)
+
+    monkeypatch.setattr(cuda.FlashAttentionMetadataBuilder, "build", parent_build)
+    common = (batch.metadata.query_start_loc, batch.metadata.seq_lens)
+    with publishing(info):
+        metadata = builder.build(0, common)
+    assert metadata.tree is info and metadata.prefix_scheduled_reqs == 2
+    plain = builder.build(0, common)
+    assert type(plain) is cuda.FlashAttentionMetadata and builder._prefix_scheduled_reqs == -1
 
 
 def test_register_backends_for_cuda():

@@ -499,13 +499,15 @@ def test_prefix_given_plan_and_launch_must_agree():
         tree_attention_triton(*args, out=out, prefix_lse=lse[:4])
 
 
-@pytest.mark.parametrize("attention", ["twin", "flash_attn"])
+@pytest.mark.parametrize("attention", ["twin", "flash_attn", "flash_attn_scheduled"])
 def test_flash_prefix_step_matches_reference(attention: str, monkeypatch):
     """attention/cuda.py's FlashAttention-prefix step: FlashAttention 3 itself on a GPU
     that has vLLM's build, its torch twin elsewhere; a plan per step, reused by a
-    second layer of the step, whose output must be its own."""
+    second layer of the step, whose output must be its own. "flash_attn_scheduled":
+    with the FA3 schedule the FLASH_ATTN builder makes ahead for a step of tree rows
+    only (split bound 32, as under CUDA graphs)."""
     cuda = pytest.importorskip("vllm_ddtree.attention.cuda")
-    if attention == "flash_attn":
+    if attention.startswith("flash_attn"):
         if DEVICE.type != "cuda" or getattr(
             cuda.flash_attn_backend, "flash_attn_varlen_func", None
         ) is None:
@@ -534,13 +536,31 @@ def test_flash_prefix_step_matches_reference(attention: str, monkeypatch):
         first, query=torch.randn(first.query.shape, generator=gen, device=DEVICE).to(BF16)
     )
     tree = SimpleNamespace(attention_plans={})
+    max_seq_len, num_splits, schedule = int(first.seq_lens.max()), 0, None
+    if attention == "flash_attn_scheduled":
+        from vllm_ddtree.attention.state import publishing
+
+        num_splits = 32
+        builder = object.__new__(cuda.DDTreeFlashAttentionMetadataBuilder)
+        builder.__dict__.update(
+            cache_config=SimpleNamespace(cache_dtype="auto"), kv_cache_dtype=BF16,
+            num_heads_q=32, num_heads_kv=8, headdim=128, dcp_world_size=1, block_size=16,
+            aot_sliding_window=(-1, -1), _prefix_scheduled_reqs=-1,
+        )
+        with publishing(SimpleNamespace(skips_parent_attention=True)):
+            schedule = builder._get_scheduler_metadata(
+                aot_schedule=True, batch_size=3, cu_query_lens=first.query_start_loc,
+                max_query_len=17, seqlens=first.seq_lens, max_seq_len=max_seq_len,
+                causal=True, max_num_splits=num_splits,
+            )
+        assert builder._prefix_scheduled_reqs == 3 and schedule is not None
     for layer in (first, second):
         out = torch.full_like(layer.query, float("nan"))
         cuda.flash_prefix_step(
             tree, layer.query, layer.key_cache, layer.value_cache, layer.block_table,
             layer.seq_lens, layer.query_start_loc, mask, SCALE,
-            max_query_len=17, max_seq_len=int(layer.seq_lens.max()), num_splits=0,
-            fa_version=3, out=out,
+            max_query_len=17, max_seq_len=max_seq_len, num_splits=num_splits,
+            fa_version=3, out=out, scheduler_metadata=schedule,
         )
         assert not out.isnan().any()
         assert_close(out, run_reference(layer, mask))

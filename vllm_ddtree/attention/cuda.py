@@ -64,7 +64,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
-from vllm_ddtree.attention.state import TreeAttentionInfo
+from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
 from vllm_ddtree.attention.tree_attention_plan import sm_count
 from vllm_ddtree.attention.triton_tree import (
     launch_tree_attention,
@@ -155,10 +155,14 @@ def flash_prefix_step(
     num_splits: int,
     fa_version: int,
     out: torch.Tensor,
+    scheduler_metadata: torch.Tensor | None = None,  # FA3's schedule of this prefix call
 ) -> None:
     """Tree attention as FlashAttention over the prefixes plus the tree kernel over
     the trees, merged by LSE; the plan and the prefix lengths are made by the step's
-    first layer and reused by the others (as in :func:`tree_attention_step`)."""
+    first layer and reused by the others (as in :func:`tree_attention_step`). With
+    ``scheduler_metadata`` (the builder's, made ahead for exactly this call:
+    DDTreeFlashAttentionMetadataBuilder) FlashAttention 3 skips planning its tiles in
+    every layer."""
     metadata = (block_table, seq_lens, query_start_loc, packed_mask)
     storage = tuple(t.data_ptr() for t in metadata)
     key = ("flash_prefix", plan_signature(query, key_cache, value_cache, out), storage)
@@ -181,6 +185,7 @@ def flash_prefix_step(
         seqused_k=prefix_lens, max_seqlen_k=max_seq_len,
         softmax_scale=scale, causal=False, block_table=block_table,
         return_softmax_lse=True, fa_version=fa_version, num_splits=num_splits,
+        scheduler_metadata=scheduler_metadata,
     )
     launch_tree_attention(plan, query, key_cache, value_cache, out, prefix_lse)
 
@@ -290,8 +295,15 @@ class TreeRowsImplMixin:
             bounds = {"max_query_len": tree.width,
                       "max_seq_len": attn_metadata.max_seq_len, "out": out}
             if num_reqs < self._ddtree_flash_prefix_below:
+                # The builder's FA3 schedule is this call's when it was made for the
+                # prefixes of this many requests (under a full CUDA graph both are
+                # the captured batch; vLLM pads the metadata to it).
+                schedule = (attn_metadata.scheduler_metadata
+                            if getattr(attn_metadata, "prefix_scheduled_reqs", -1) == num_reqs
+                            else None)
                 flash_prefix_step(*args, **bounds, num_splits=attn_metadata.max_num_splits,
-                                  fa_version=self.vllm_flash_attn_version)
+                                  fa_version=self.vllm_flash_attn_version,
+                                  scheduler_metadata=schedule)
             else:
                 tree_attention_step(*args, **bounds)
             return
@@ -311,15 +323,44 @@ class TreeRowsImplMixin:
 @dataclass
 class DDTreeFlashAttentionMetadata(FlashAttentionMetadata):
     tree: TreeAttentionInfo | None = None
+    # Requests whose prefixes ``scheduler_metadata`` schedules FlashAttention 3 over
+    # (flash_prefix_step's call) instead of the parent's causal call; -1: it does not.
+    prefix_scheduled_reqs: int = -1
 
 
 class DDTreeFlashAttentionMetadataBuilder(
     TreeMetadataBuilderMixin, FlashAttentionMetadataBuilder
 ):
+    """FLASH_ATTN's builder; in a step whose every row is a tree row, the FA3
+    schedule it makes ahead (vLLM's ``aot_schedule``) is for the call over the
+    prefixes (non-causal, ``seq_lens - query_lens`` keys each), the only
+    FlashAttention call such a step makes: the parent's causal kernel never runs."""
+
     metadata_cls = DDTreeFlashAttentionMetadata
     # Full graphs for uniform verify batches only: a mixed batch's tree rows take
     # the eager path (the parent's kernel, then the tree kernel over its rows).
     _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        self._prefix_scheduled_reqs = -1
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if isinstance(metadata, DDTreeFlashAttentionMetadata):
+            metadata.prefix_scheduled_reqs = self._prefix_scheduled_reqs
+        return metadata
+
+    def _get_scheduler_metadata(self, *, aot_schedule, batch_size, cu_query_lens,
+                                max_query_len, seqlens, max_seq_len, causal,
+                                max_num_splits):
+        tree = current_tree()
+        if aot_schedule and tree is not None and tree.skips_parent_attention:
+            seqlens = seqlens - cu_query_lens.diff()  # keys before each request's tree
+            causal = False
+            self._prefix_scheduled_reqs = batch_size
+        return super()._get_scheduler_metadata(
+            aot_schedule=aot_schedule, batch_size=batch_size, cu_query_lens=cu_query_lens,
+            max_query_len=max_query_len, seqlens=seqlens, max_seq_len=max_seq_len,
+            causal=causal, max_num_splits=max_num_splits,
+        )
 
 
 class DDTreeFlashAttentionImpl(TreeRowsImplMixin, FlashAttentionImpl):

@@ -53,6 +53,12 @@ class TreeAttentionInfo:
     prepared: bool = False  # prepare_for has run
 
     @property
+    def skips_parent_attention(self) -> bool:
+        """The step runs only tree attention: some request has a tree and every
+        query row is a tree row, so the CUDA backends skip the parent's kernel."""
+        return bool(self.tree_reqs) and self.all_rows_are_tree_rows
+
+    @property
     def num_reqs(self) -> int:
         return self.num_rows.shape[0]
 
