@@ -45,10 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default="plain,chain,ddtree",
                    help="comma list of plain, chain, ddtree")
     p.add_argument("--baseline-runners", default="default",
-                   help="comma list of default, v1: plain and chain on vLLM's default model "
-                        "runner and scheduling (rows plain, chain) and/or on the V1 runner "
-                        "without async scheduling, as DDTree runs (rows plain-v1, chain-v1; "
-                        "GPU only)")
+                   help="comma list of default, v1, v1-async: plain and chain on vLLM's "
+                        "default model runner and scheduling (rows plain, chain), on the V1 "
+                        "runner without async scheduling (rows plain-v1, chain-v1) and/or "
+                        "on the V1 runner with it (rows plain-v1-async, chain-v1-async); "
+                        "the V1 rows are GPU only")
+    p.add_argument("--ddtree-scheduling", default="default",
+                   help="comma list of default, sync, async: DDTree rows with the plugin's "
+                        "default scheduling (ddtree-b16-k4), without async scheduling "
+                        "(ddtree-b16-k4-sync) and/or with it (ddtree-b16-k4-async; GPU only)")
     p.add_argument("--quick", action="store_true", help="a few configs, for CI")
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--caps", type=str, nargs="+", default=["1", "2", "4", "none"])
@@ -82,9 +87,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.methods:
         p.error(f"--methods takes plain, chain, ddtree; got {args.methods}")
     args.baseline_runners = [r.strip() for r in args.baseline_runners.split(",") if r.strip()]
-    if not args.baseline_runners or set(args.baseline_runners) - {"default", "v1"}:
-        p.error(f"--baseline-runners takes default, v1; got {args.baseline_runners}")
+    if not args.baseline_runners or set(args.baseline_runners) - set(BASELINE_SUFFIX):
+        p.error(f"--baseline-runners takes default, v1, v1-async; got {args.baseline_runners}")
+    args.ddtree_scheduling = [x.strip() for x in args.ddtree_scheduling.split(",") if x.strip()]
+    if not args.ddtree_scheduling or set(args.ddtree_scheduling) - set(DDTREE_SUFFIX):
+        p.error(f"--ddtree-scheduling takes default, sync, async; got {args.ddtree_scheduling}")
     return args
+
+
+# Row-name suffix of each engine setting, and what it sets: (V1 runner forced, async
+# scheduling; None leaves vLLM's / the plugin's default).
+BASELINE_SUFFIX = {"default": "", "v1": "-v1", "v1-async": "-v1-async"}
+DDTREE_SUFFIX = {"default": "", "sync": "-sync", "async": "-async"}
+_SETTINGS = {"-v1-async": (True, True), "-v1": (True, False), "-sync": (False, False),
+             "-async": (False, True)}
+
+
+def engine_overrides(name: str) -> tuple[bool, bool | None]:
+    """(force the V1 runner, async scheduling or None) of a row, from its name."""
+    for suffix, settings in _SETTINGS.items():  # "-v1-async" before "-async"
+        if name.endswith(suffix):
+            return settings
+    return False, None
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -110,7 +134,7 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
 def methods(args: argparse.Namespace, drafter: Path) -> list[tuple[str, dict | None]]:
     block = json.loads((drafter / "config.json").read_text())["block_size"]
     out: list[tuple[str, dict | None]] = []
-    suffixes = ["" if r == "default" else "-v1" for r in args.baseline_runners]
+    suffixes = [BASELINE_SUFFIX[r] for r in args.baseline_runners]
     if "plain" in args.methods:
         out += [(f"plain{x}", None) for x in suffixes]
     if "chain" in args.methods:
@@ -119,9 +143,10 @@ def methods(args: argparse.Namespace, drafter: Path) -> list[tuple[str, dict | N
     budgets, caps = (args.budgets, args.caps) if not args.quick else ([8], ["4"])
     for budget in budgets if "ddtree" in args.methods else []:
         for cap in caps:
-            out.append((f"ddtree-b{budget}-k{cap}", {
+            out += [(f"ddtree-b{budget}-k{cap}{DDTREE_SUFFIX[x]}", {
                 "method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
-                "ddtree_topk_cap": None if cap == "none" else int(cap)}))
+                "ddtree_topk_cap": None if cap == "none" else int(cap)})
+                for x in args.ddtree_scheduling]
     return out
 
 
@@ -135,14 +160,15 @@ def spec_counters(llm) -> dict[str, Any]:
 
 
 def run_method(target: Path, config: dict | None, args: argparse.Namespace,
-               v1_sync: bool = False) -> tuple[list[dict], dict]:
-    """Rows of one engine, and the runner settings it resolved. ``v1_sync``: on the
-    V1 model runner without async scheduling, as DDTree runs."""
+               v1: bool = False, async_scheduling: bool | None = None
+               ) -> tuple[list[dict], dict]:
+    """Rows of one engine, and the runner settings it resolved. ``v1``: on the V1 model
+    runner (DDTree's); ``async_scheduling``: on or off (None: the default)."""
     from vllm import LLM, SamplingParams
 
     # The engine process reads the runner choice when it starts; a DDTree engine
     # started earlier in this process set it to V1, so default rows clear it.
-    if v1_sync:
+    if v1:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     elif (config or {}).get("method") != "ddtree":
         os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
@@ -152,7 +178,7 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace,
               disable_log_stats=False, seed=0,
               tensor_parallel_size=args.tensor_parallel_size,
               disable_custom_all_reduce=args.no_custom_all_reduce,
-              **({"async_scheduling": False} if v1_sync else {}),
+              **({} if async_scheduling is None else {"async_scheduling": async_scheduling}),
               **({"jit_monitor_verbose": True} if args.jit_monitor_verbose else {}))
     prompts = [llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
@@ -295,8 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name, config in methods(args, drafter):
         print(f"[bench] {name} ...", flush=True)
         start = time.perf_counter()
-        results[name], engines[name] = run_method(target, config, args,
-                                                   v1_sync=name.endswith("-v1"))
+        v1, async_scheduling = engine_overrides(name)
+        results[name], engines[name] = run_method(target, config, args, v1=v1,
+                                                   async_scheduling=async_scheduling)
         print(f"[bench] {name}: {engines[name]}", flush=True)
         print(f"[bench] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
         # Written after every method, so a run cut short keeps what it measured.

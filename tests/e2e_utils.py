@@ -36,6 +36,28 @@ def make_llm(model: str, speculative_config: dict | None = None, **kw: Any):
     return LLM(model=model, **args)
 
 
+def keep_async_scheduling(monkeypatch) -> None:
+    """Let engines made after this keep the async scheduling vLLM resolved on the CPU
+    backend, whose platform hook turns it off (nothing there runs ahead of the host).
+
+    With it on, vLLM's V1 runner runs the same async bookkeeping on the CPU as on
+    CUDA: the scheduler places the next step before the last one's output is
+    processed, drafts stay on the device, counts are optimistic and corrected a step
+    later.
+    """
+    from vllm.platforms.cpu import CpuPlatform
+
+    platform_hook = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        resolved = vllm_config.scheduler_config.async_scheduling
+        platform_hook(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = resolved
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config",
+                        classmethod(check_and_update_config))
+
+
 def shutdown(llm) -> None:
     """Stop an engine now so the next one gets the memory."""
     try:

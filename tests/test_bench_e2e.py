@@ -45,6 +45,7 @@ def test_methods_follow_the_methods_option(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--methods", "ddtree,medusa"], ["--methods", ","],
                                   ["--baseline-runners", "v2"],
+                                  ["--ddtree-scheduling", "eager"],
                                   ["--repeats", "0"], ["--tensor-parallel-size", "0"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
@@ -141,3 +142,34 @@ def test_baseline_runners_add_v1_rows_without_async_scheduling(tmp_path, monkeyp
     saved = json.loads(out.with_suffix(".json").read_text())
     assert sorted(saved["results"]) == sorted(made) == sorted(saved["engines"])
     assert "x ch-v1" in capsys.readouterr().out  # both chains: a column for each
+
+
+def test_scheduling_options_set_each_engines_runner_and_scheduling(tmp_path, monkeypatch):
+    """--baseline-runners v1-async and --ddtree-scheduling sync,async: one engine per
+    setting, each started with its own runner and scheduling, named by suffix."""
+    import vllm
+
+    FakeLLM.made = []
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
+    out = tmp_path / "sched"
+    bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods",
+                "chain,ddtree", "--baseline-runners", "default,v1-async", "--budgets", "16",
+                "--caps", "4", "--ddtree-scheduling", "default,sync,async",
+                "--max-tokens", "4", "--out", str(out)])
+    saved = json.loads(out.with_suffix(".json").read_text())
+    names = list(saved["results"])
+    assert names == ["chain", "chain-v1-async", "ddtree-b16-k4", "ddtree-b16-k4-sync",
+                     "ddtree-b16-k4-async"]
+    made = dict(zip(names, FakeLLM.made, strict=True))
+    assert made["chain"]["env_v2"] is None and "async_scheduling" not in made["chain"]
+    assert made["chain-v1-async"]["env_v2"] == "0"
+    assert made["chain-v1-async"]["async_scheduling"] is True
+    assert "async_scheduling" not in made["ddtree-b16-k4"]
+    assert made["ddtree-b16-k4-sync"]["async_scheduling"] is False
+    assert made["ddtree-b16-k4-async"]["async_scheduling"] is True
+    assert all(m["speculative_config"]["ddtree_budget"] == 16
+               for n, m in made.items() if n.startswith("ddtree"))

@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from tests import scripted_drafter
-from tests.e2e_utils import PROMPTS, greedy, make_llm, prompt_ids, shutdown, spec_metrics
+from tests.e2e_utils import (
+    PROMPTS,
+    greedy,
+    keep_async_scheduling,
+    make_llm,
+    prompt_ids,
+    shutdown,
+    spec_metrics,
+)
 from vllm_ddtree.tree import build_ddtree
 
 pytestmark = pytest.mark.slow
@@ -62,14 +70,15 @@ def reference(tiny_llama):
 
 
 @pytest.mark.parametrize(
-    "block_size,budget,cap,rule",
+    "block_size,budget,cap,rule,async_scheduling",
     [
-        (8, 16, 4, "mixed"),
-        (4, 9, 3, "siblings"),
+        (8, 16, 4, "mixed", False),
+        (4, 9, 3, "siblings", False),
+        (8, 16, 4, "mixed", True),
     ],
 )
-def test_exact_acceptance(tiny_llama, make_drafter, reference, monkeypatch, tmp_path,
-                          block_size, budget, cap, rule):
+def test_exact_acceptance(tiny_llama, make_drafter, reference, monkeypatch, tmp_path, capfd,
+                          block_size, budget, cap, rule, async_scheduling):
     ids, outputs = reference
     references = dict(zip(ids, outputs))
     steps = [
@@ -89,7 +98,10 @@ def test_exact_acceptance(tiny_llama, make_drafter, reference, monkeypatch, tmp_
     scripted_drafter.install(monkeypatch, tmp_path, references, rule)
     config = {"method": "ddtree", "model": str(make_drafter(tiny_llama, block_size)),
               "ddtree_budget": budget, "ddtree_topk_cap": cap}
-    llm = make_llm(str(tiny_llama), config)
+    if async_scheduling:
+        keep_async_scheduling(monkeypatch)
+    llm = make_llm(str(tiny_llama), config, async_scheduling=async_scheduling or None)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling == async_scheduling
     try:
         got = greedy(llm, PROMPTS, MAX_TOKENS)
         metrics = spec_metrics(llm)
@@ -97,6 +109,8 @@ def test_exact_acceptance(tiny_llama, make_drafter, reference, monkeypatch, tmp_
         shutdown(llm)
 
     assert got == [out[:MAX_TOKENS] for out in outputs]
+    log = "".join(capfd.readouterr())
+    assert f"async scheduling {'on' if async_scheduling else 'off'}." in log
     assert metrics["num_drafts"] == len(steps)
     assert metrics["num_draft_tokens"] == len(steps) * budget
     assert metrics["num_accepted_tokens"] == sum(accepted)

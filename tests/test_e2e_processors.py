@@ -3,7 +3,9 @@
 Penalties must count each tree node's own ancestors as generated; logit bias
 and min-tokens act at every node; grammar-constrained requests are verified as
 the chain vLLM validated; requested logprobs come from the node that emitted
-each token.
+each token. All of it with and without async scheduling (the DDTree engine's; the
+CPU platform's veto lifted), where vLLM fills the last step's tokens into the
+histories penalties read only when sampling starts.
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ from __future__ import annotations
 import pytest
 
 from tests import scripted_drafter
-from tests.e2e_utils import PROMPTS, greedy, make_llm, prompt_ids, shutdown, spec_metrics
+from tests.e2e_utils import (
+    PROMPTS,
+    greedy,
+    keep_async_scheduling,
+    make_llm,
+    prompt_ids,
+    shutdown,
+    spec_metrics,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +58,8 @@ def _run(llm) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_llama, make_drafter, tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def runs(request, tiny_llama, make_drafter, tmp_path_factory):
     llm = make_llm(str(tiny_llama))
     ids = prompt_ids(llm, PROMPTS)
     references = dict(zip(ids, greedy(llm, PROMPTS, MAX_TOKENS + 10)))
@@ -58,9 +68,12 @@ def runs(tiny_llama, make_drafter, tmp_path_factory):
 
     mp = pytest.MonkeyPatch()
     scripted_drafter.install(mp, tmp_path_factory.mktemp("script"), references)
+    if request.param:
+        keep_async_scheduling(mp)
     config = {"method": "ddtree", "model": str(make_drafter(tiny_llama, 8)),
               "ddtree_budget": 12, "ddtree_topk_cap": 3}
-    llm = make_llm(str(tiny_llama), config)
+    llm = make_llm(str(tiny_llama), config, async_scheduling=request.param)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is request.param
     try:
         tree = _run(llm)
         metrics = spec_metrics(llm)

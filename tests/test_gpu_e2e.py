@@ -53,6 +53,7 @@ pytestmark = [
 
 BLOCK = 8
 BUDGETS = [1, 7, 8, 16, 17, 31, 64]
+ASYNC_BUDGETS = [7, 16, 64]  # also run with async scheduling
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["eager", "graphs"])
@@ -68,9 +69,14 @@ def reference(request, gpu_qwen3):
     return graphs, dict(zip(ids, [o[0] for o in outputs])), outputs, ids
 
 
-@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize(
+    "budget,async_scheduling",
+    [(b, False) for b in BUDGETS] + [(b, True) for b in ASYNC_BUDGETS],
+    ids=[f"{b}" for b in BUDGETS] + [f"{b}-async" for b in ASYNC_BUDGETS],
+)
 def test_greedy_identical_float32(
-    gpu_qwen3, make_drafter, reference, hf_float32, monkeypatch, tmp_path, budget
+    gpu_qwen3, make_drafter, reference, hf_float32, monkeypatch, tmp_path, capfd, budget,
+    async_scheduling,
 ):
     graphs, references, vllm_outputs, ids = reference
     expected = hf_float32(ids)
@@ -86,7 +92,7 @@ def test_greedy_identical_float32(
     drafter = make_drafter(gpu_qwen3, BLOCK)
     config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
               "ddtree_topk_cap": 4 if budget % 2 else None}
-    llm = gpu_llm(gpu_qwen3, config, graphs=graphs)
+    llm = gpu_llm(gpu_qwen3, config, graphs=graphs, async_scheduling=async_scheduling)
     try:
         batch16 = greedy(llm, PROMPTS16, MAX_TOKENS)
         batch1 = greedy(llm, PROMPTS16[3:4], MAX_TOKENS)
@@ -94,6 +100,7 @@ def test_greedy_identical_float32(
         metrics = spec_metrics(llm)
     finally:
         shutdown(llm)
+    assert_scheduling_logged(capfd, async_scheduling)
     identical = assert_identical_or_near_tie(batch16, expected, FLOAT32_NEAR_TIE)
     assert identical >= len(PROMPTS16) - 2
     assert_identical_or_near_tie(batch1, expected[3:4], FLOAT32_NEAR_TIE)
@@ -101,6 +108,12 @@ def test_greedy_identical_float32(
     # Trees were verified and accepted beyond depth 1 (the script accepts most drafts).
     assert metrics["num_drafts"] > 0
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"] * min(budget, 2) / 2
+
+
+def assert_scheduling_logged(capfd, async_scheduling: bool) -> None:
+    """The DDTree engine ran with the scheduling asked for (its runner says so)."""
+    log = "".join(capfd.readouterr())
+    assert f"async scheduling {'on' if async_scheduling else 'off'}." in log
 
 
 def reference_then_ddtree(model, prompts, ddtree_config, monkeypatch, tmp_path, **kw):
@@ -122,7 +135,9 @@ def reference_then_ddtree(model, prompts, ddtree_config, monkeypatch, tmp_path, 
     return ids, reference, got
 
 
-def test_mixed_prefill_and_tree_steps(gpu_qwen3, make_drafter, monkeypatch, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_prefill_and_tree_steps(gpu_qwen3, make_drafter, monkeypatch, tmp_path, capfd,
+                                      async_scheduling):
     """Long prompts prefill in 64-token chunks while the short ones already verify
     trees, so steps mix prefill rows (the parent backend's kernel) with tree rows
     (the tree kernel over gathered rows): the path a server takes when requests
@@ -133,21 +148,27 @@ def test_mixed_prefill_and_tree_steps(gpu_qwen3, make_drafter, monkeypatch, tmp_
     ids, reference, got = reference_then_ddtree(
         gpu_qwen3, prompts, config, monkeypatch, tmp_path, graphs=False,
         max_num_batched_tokens=64, enable_chunked_prefill=True, enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
     )
+    assert_scheduling_logged(capfd, async_scheduling)
     assert max(len(i) for i in ids) > 2 * 64  # the long prompts need several chunks
     assert assert_identical_or_near_tie(got, reference, FLOAT32_NEAR_TIE) >= len(prompts) - 1
 
 
-def test_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path, capfd):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path, capfd,
+                             async_scheduling):
     """On FLASH_ATTN in bf16 the default ddtree_prefix_attention ('auto') lets
     FlashAttention 3 take the prefix and the tree kernel the trees; the engine says so
     in its log (captured from the engine process through the file descriptors)."""
     config = {"method": "ddtree", "model": str(make_drafter(gpu_qwen3, BLOCK)),
               "ddtree_budget": 16}
     _, reference, got = reference_then_ddtree(
-        gpu_qwen3, PROMPTS16, config, monkeypatch, tmp_path, dtype="bfloat16", graphs=True
+        gpu_qwen3, PROMPTS16, config, monkeypatch, tmp_path, dtype="bfloat16", graphs=True,
+        async_scheduling=async_scheduling,
     )
     log = "".join(capfd.readouterr())
+    assert f"async scheduling {'on' if async_scheduling else 'off'}." in log
     assert "Using FLASH_ATTN attention backend" in log
     assert "DDTree tree attention: FlashAttention 3 over the prefix" in log
     expected = [r[0] for r in reference]
@@ -157,10 +178,12 @@ def test_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path, cap
     assert_identical_or_near_tie(got, reference, BF16_NEAR_TIE)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_topk_cap_1_is_the_native_dflash_chain(
-    tiny_llama_repetitive, make_drafter, monkeypatch
+    tiny_llama_repetitive, make_drafter, monkeypatch, async_scheduling
 ):
-    """Cap 1 and budget = block_size - 1: the tree is DFlash's chain."""
+    """Cap 1 and budget = block_size - 1: the tree is DFlash's chain (both engines on
+    the V1 runner, with the same scheduling)."""
     drafter = make_drafter(tiny_llama_repetitive, BLOCK, mode="repeat")
     runs = {}
     for name, config in {
@@ -169,7 +192,8 @@ def test_topk_cap_1_is_the_native_dflash_chain(
         "ddtree": {"method": "ddtree", "model": str(drafter),
                    "ddtree_budget": BLOCK - 1, "ddtree_topk_cap": 1},
     }.items():
-        llm = gpu_llm(tiny_llama_repetitive, config, graphs=True)
+        llm = gpu_llm(tiny_llama_repetitive, config, graphs=True,
+                      async_scheduling=async_scheduling)
         try:
             runs[name] = (greedy(llm, PROMPTS16, 48), spec_metrics(llm))
         finally:

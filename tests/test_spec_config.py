@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.e2e_utils import keep_async_scheduling
 from vllm_ddtree.config import MAX_BUDGET, get_ddtree_config
 
 BLOCK = 8
@@ -141,9 +142,14 @@ def test_missing_model(tiny_llama):
         engine_config(tiny_llama, {"method": "ddtree", "ddtree_budget": 8})
 
 
-def test_async_scheduling_rejected(tiny_llama, drafter):
-    with pytest.raises(ValueError, match=r"DDTree does not support async scheduling"):
-        engine_config(tiny_llama, ddtree(drafter), async_scheduling=True)
+@pytest.mark.parametrize("asked,resolved", [(None, False), (False, False), (True, True)])
+def test_async_scheduling_is_off_unless_asked_for(tiny_llama, drafter, monkeypatch,
+                                                 asked, resolved):
+    """DDTree runs without async scheduling unless the user asks for it (the CPU
+    platform's own veto is lifted here, so the plugin's choice shows)."""
+    keep_async_scheduling(monkeypatch)
+    cfg = engine_config(tiny_llama, ddtree(drafter), async_scheduling=asked)
+    assert cfg.scheduler_config.async_scheduling is resolved
 
 
 def test_v2_model_runner_rejected(tiny_llama, drafter, monkeypatch):

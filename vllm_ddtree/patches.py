@@ -76,12 +76,12 @@ def _patch_create_speculative_config() -> None:
                     f"method={spec.get('method')!r}."
                 )
             return orig(self, target_model_config, target_parallel_config)
-        if self.async_scheduling:
-            raise ValueError(
-                "DDTree does not support async scheduling yet; "
-                "remove --async-scheduling (it is turned off for DDTree by default)."
-            )
-        self.async_scheduling = False
+        # Async scheduling only when asked for (--async-scheduling): it runs through
+        # vLLM's V1 bookkeeping (drafts kept on the device, counts corrected a step
+        # late), which the compacted tree step meets as a chain step; in the H200
+        # runs it made DDTree no faster, so the default stays synchronous.
+        if self.async_scheduling is None:
+            self.async_scheduling = False
         # DDTree runs on vLLM's V1 model runner (the CPU backend always does);
         # on GPU vLLM would pick V2, which has none of the plugin's hooks.
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() in ("1", "true"):

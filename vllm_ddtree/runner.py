@@ -98,9 +98,10 @@ def install(runner: GPUModelRunner) -> None:
     runner.drafter = DDTreeProposer(runner.vllm_config, runner.device, runner)
     runner.rejection_sampler = DDTreeSampler(runner.sampler, lambda: state.step)
     logger.info(
-        "DDTree runner: verify width %d, drafter width %d.",
+        "DDTree runner: verify width %d, drafter width %d, async scheduling %s.",
         ddtree.verify_width,
         ddtree.drafter_width,
+        "on" if runner.use_async_scheduling else "off",
     )
 
 
