@@ -90,17 +90,22 @@ def test_readme_tp2_table_is_the_results_file():
         assert float(x_chain) == round(r["tok_per_s"] / chain["tok_per_s"], 2), name
 
 
-@pytest.mark.parametrize("name,heading", [
-    ("e2e_h200_runners.json", "method               T batch    tau    tok/s  x chain  x ch-v1"),
-    ("e2e_h200_rerun.json", "method               T batch    tau    tok/s  x plain  x chain"),
-])
-def test_bench_readme_runner_tables_are_the_results_files(name, heading):
-    """benchmarks/README.md's two H200 runs of 7059217: tau, tok/s and the ratios to
-    the rows named in the heading (same temperature and batch) are the file's."""
+def block_after_file(text: str, name: str) -> tuple[list[str], list[list[str]]]:
+    """Heading words and rows of the first fenced block after ``results/<name>``."""
+    start = text.index("```", text.index(f"results/{name}")) + 3
+    lines = [line for line in text[start:text.index("```", start)].splitlines() if line.strip()]
+    return lines[0].split(), [line.split() for line in lines[1:]]
+
+
+@pytest.mark.parametrize("name", ["e2e_h200_runners.json", "e2e_h200_rerun.json",
+                                  "e2e_h200_async.json", "e2e_h200_runners2.json"])
+def test_bench_readme_runner_tables_are_the_results_files(name):
+    """benchmarks/README.md's H200 runs: tau, tok/s and the ratios to the rows named in
+    the heading's "x <row>" columns (same temperature and batch) are the file's."""
     res = results_rows(name)
-    rows = block_after(BENCH_README, heading)
-    words = heading.split()
-    bases = [words[6], words[8]]  # the two "x <row>" columns
+    heading, rows = block_after_file(BENCH_README, name)
+    bases = [heading[i + 1] for i, word in enumerate(heading) if word == "x"]
+    assert bases
     ref = {"plain": "plain", "chain": "chain", "ch-v1": "chain-v1"}
     assert {r[0] for r in rows} == set(res)
     assert len(rows) == 4 * len(res)
@@ -109,7 +114,7 @@ def test_bench_readme_runner_tables_are_the_results_files(name, heading):
                  if x["temperature"] == float(t) and x["batch"] == int(batch))
         assert float(tau) == round(r["tau"], 2), (method, t, batch)
         assert float(tok_s) == round(r["tok_per_s"], 1), (method, t, batch)
-        for cell, base in zip(cells[:2], bases):
+        for cell, base in zip(cells[:len(bases)], bases, strict=True):
             other = next(x for x in res[ref[base]]
                          if x["temperature"] == float(t) and x["batch"] == int(batch))
             assert float(cell) == round(r["tok_per_s"] / other["tok_per_s"], 2), (method, base)
@@ -156,3 +161,25 @@ def test_bench_readme_8353b6f_table_is_the_results_file():
                      for e in next(x for x in run["rows"] if x["batch"] == b)["estimates"]]
         assert numbers == [round(costs[(run["method"], 1)], 3),
                            round(costs[(run["method"], 32)], 3), *estimates], row
+
+
+def test_readme_async_run_table_is_the_results_file():
+    """README's batch-1 summary of run B (e2e_h200_runners2.json): tau, tok/s, ms per
+    step (median call over its steps) and both chain ratios are the file's."""
+    res = results_rows("e2e_h200_runners2.json")
+    rows = block_after(README, "method          engine            tau   tok/s   ms per step")
+    names = {("chain", "V2,"): "chain", ("chain", "V1,"): "chain-v1",
+             ("ddtree-b16-k4", "sync"): "ddtree-b16-k4-sync",
+             ("ddtree-b16-k4", "async"): "ddtree-b16-k4-async"}
+    chain, chain_v1 = greedy(res["chain"], 1), greedy(res["chain-v1"], 1)
+    seen = set()
+    for method, runner, sched, tau, tok_s, ms, x_chain, x_v1 in rows:
+        name = names[(method, runner if method == "chain" else sched)]
+        seen.add(name)
+        r = greedy(res[name], 1)
+        assert float(tau) == round(r["tau"], 2), name
+        assert int(tok_s) == round(r["tok_per_s"]), name
+        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), name
+        assert float(x_chain) == round(r["tok_per_s"] / chain["tok_per_s"], 2), name
+        assert float(x_v1) == round(r["tok_per_s"] / chain_v1["tok_per_s"], 2), name
+    assert seen == set(res)
