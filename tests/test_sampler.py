@@ -128,13 +128,16 @@ def test_greedy_node_tokens_are_argmax():
 
 
 def test_seeded_sampling_is_reproducible_and_follows_top_k():
-    logits = torch.randn(6, 50)
-    rows = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    # On the platform's device: on a CUDA host vLLM's top-k runs a Triton kernel.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(6, 50, device=device)
+    rows = torch.tensor([[0, 1, 2], [3, 4, 5]], device=device)
 
     def draw(seed):
-        gen = torch.Generator().manual_seed(seed)
-        sampling = FakeSampling(all_greedy=False, temperature=torch.tensor([0.0, 1.0]),
-                                top_k=torch.tensor([50, 2]), generators={1: gen})
+        gen = torch.Generator(device=device).manual_seed(seed)
+        sampling = FakeSampling(all_greedy=False,
+                                temperature=torch.tensor([0.0, 1.0], device=device),
+                                top_k=torch.tensor([50, 2], device=device), generators={1: gen})
         return sample_node_tokens(logits, rows, sampling)
 
     a, b, c = draw(3), draw(3), draw(4)
@@ -144,6 +147,46 @@ def test_seeded_sampling_is_reproducible_and_follows_top_k():
     # Request 1 samples within its top-2 tokens.
     top2 = logits[rows[1]].topk(2, dim=-1).indices
     assert all(a[1, i] in top2[i] and c[1, i] in top2[i] for i in range(3))
+
+
+def _seeded_trimmed_batch(device: str, seed: int):
+    """A seeded request whose tree was trimmed (2 of 4 drafts scheduled: its last two
+    node columns repeat its last row) next to an unseeded one: (logits, rows, sampling)."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 64, device=device)
+    rows = step_rows(torch.tensor([3, 8], device=device), torch.tensor([2, 4], device=device), 5)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sampling = FakeSampling(all_greedy=False, all_random=True,
+                            temperature=torch.tensor([1.0, 1.0], device=device),
+                            generators={0: gen})
+    return logits, rows, sampling
+
+
+def test_seeded_request_draws_one_row_per_node_column():
+    """Node j of a seeded request races its probabilities against row min(j, n) of
+    one [width, vocab] draw from its generator (n = its scheduled drafts)."""
+    logits, rows, sampling = _seeded_trimmed_batch("cpu", seed=5)
+    tokens = sample_node_tokens(logits, rows, sampling)
+    draws = torch.empty(5, 64).exponential_(generator=torch.Generator().manual_seed(5))
+    probs = logits[:3].softmax(-1)
+    want = [int((probs[min(j, 2)] / draws[min(j, 2)]).argmax()) for j in range(5)]
+    assert tokens[0].tolist() == want
+    assert torch.equal(sample_node_tokens(*_seeded_trimmed_batch("cpu", seed=5)), tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_seeded_sampling_on_cuda_never_waits_for_the_device():
+    """Seeded requests (trimmed trees included) sample without a host-device sync, and
+    the seeded one reproducibly, repeated rows and all."""
+    batches = [_seeded_trimmed_batch("cuda", seed=5) for _ in range(2)]
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a, b = (sample_node_tokens(*batch) for batch in batches)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert torch.equal(a[0], b[0])  # request 1 draws from the global generator
 
 
 def test_all_random_batch_skips_the_greedy_argmax(monkeypatch):

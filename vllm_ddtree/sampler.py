@@ -369,12 +369,16 @@ def sample_node_tokens(
     probs = scaled.softmax(dim=-1, dtype=torch.float32)
     # Exponential race: argmax p / E with E ~ Exp(1) is a sample from p.
     noise = torch.empty_like(probs).exponential_()
+    # A seeded request draws one row per node column from its own generator. Absent
+    # nodes repeat the request's last row (step_rows), so each column takes the draw
+    # of the node its row belongs to: repeated writes then carry equal values, and
+    # the result is deterministic with no host-side count of the request's rows.
+    width = rows.shape[1]
     for req, generator in sampling_metadata.generators.items():
         if req < num_reqs:
-            rows_r = torch.unique(rows[req])
-            noise[rows_r] = torch.empty(
-                (rows_r.numel(), probs.shape[1]), device=probs.device
-            ).exponential_(generator=generator)
+            draws = torch.empty((width, probs.shape[1]), device=probs.device
+                                ).exponential_(generator=generator)
+            noise[rows[req]] = draws[rows[req] - rows[req, 0]]
     sampled = probs.div(noise).argmax(dim=-1)
     if sampling_metadata.all_random:  # no greedy request: no argmax pass
         return sampled[rows]

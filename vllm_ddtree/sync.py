@@ -4,9 +4,8 @@ switch that proves the DDTree step never makes the host wait.
 With ``VLLM_DDTREE_CHECK_SYNC=1`` every DDTree hook on a CUDA device runs under
 ``torch.cuda.set_sync_debug_mode("error")``: any operation that would block
 the host on the GPU (``.item()``, ``.tolist()``, boolean indexing, a pageable
-copy) raises instead. The GPU tests turn it on; users never need it. Seeded
-sampling and penalties read per-request host lists and are exempt only in the
-sense that they sync by design (as vLLM's own sampler does).
+copy) raises instead. The GPU tests turn it on; users never need it. Penalties
+read per-request host lists and sync by design (as vLLM's own penalties do).
 """
 
 from __future__ import annotations
