@@ -163,15 +163,20 @@ def _seeded_trimmed_batch(device: str, seed: int):
 
 
 def test_seeded_request_draws_one_row_per_node_column():
-    """Node j of a seeded request races its probabilities against row min(j, n) of
-    one [width, vocab] draw from its generator (n = its scheduled drafts)."""
+    """Node j of a seeded request races its probabilities against row j of one
+    [nodes, vocab] draw from its generator; the columns past its nodes repeat its last
+    node's token. The draw's size is the request's own (3 nodes here), not the batch's
+    width (5), so its stream does not depend on the other requests."""
     logits, rows, sampling = _seeded_trimmed_batch("cpu", seed=5)
-    tokens = sample_node_tokens(logits, rows, sampling)
-    draws = torch.empty(5, 64).exponential_(generator=torch.Generator().manual_seed(5))
+    tokens = sample_node_tokens(logits, rows, sampling, [3, 5])
+    gen = torch.Generator().manual_seed(5)
+    draws = torch.empty(3, 64).exponential_(generator=gen)
     probs = logits[:3].softmax(-1)
     want = [int((probs[min(j, 2)] / draws[min(j, 2)]).argmax()) for j in range(5)]
     assert tokens[0].tolist() == want
-    assert torch.equal(sample_node_tokens(*_seeded_trimmed_batch("cpu", seed=5)), tokens)
+    assert torch.equal(gen.get_state(), sampling.generators[0].get_state())
+    again = sample_node_tokens(*_seeded_trimmed_batch("cpu", seed=5), [3, 5])
+    assert torch.equal(again, tokens)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -183,7 +188,7 @@ def test_seeded_sampling_on_cuda_never_waits_for_the_device():
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        a, b = (sample_node_tokens(*batch) for batch in batches)
+        a, b = (sample_node_tokens(*batch, [3, 5]) for batch in batches)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert torch.equal(a[0], b[0])  # request 1 draws from the global generator

@@ -87,7 +87,8 @@ class DDTreeSampler(nn.Module):
         # Flat logits row of node i of request r (clamped for absent nodes).
         rows = step_rows(metadata.cu_num_sampled_tokens, step.num_scheduled, width)
         processed = process_logits(logits, rows, step, sampling_metadata)
-        node_tokens = sample_node_tokens(processed, rows, sampling_metadata)
+        node_tokens = sample_node_tokens(processed, rows, sampling_metadata,
+                                         [n + 1 for n in metadata.num_draft_tokens])
         # Nodes past a request's scheduled count are already invalid (TreeVerifyStep).
         walk = walk_tree(step.tree, node_tokens, step.max_depth)
         step.walk = walk
@@ -350,6 +351,7 @@ def sample_node_tokens(
     processed: torch.Tensor,  # [num_rows, vocab] float32 (raw: greedy, nothing applied)
     rows: torch.Tensor,  # [num_reqs, width]
     sampling_metadata: SamplingMetadata,
+    num_nodes: list[int] | None = None,  # per request, root included; None: width each
 ) -> torch.Tensor:
     """The target's token at every node, ``[num_reqs, width]``."""
     if sampling_metadata.all_greedy:
@@ -369,16 +371,15 @@ def sample_node_tokens(
     probs = scaled.softmax(dim=-1, dtype=torch.float32)
     # Exponential race: argmax p / E with E ~ Exp(1) is a sample from p.
     noise = torch.empty_like(probs).exponential_()
-    # A seeded request draws one row per node column from its own generator. Absent
-    # nodes repeat the request's last row (step_rows), so each column takes the draw
-    # of the node its row belongs to: repeated writes then carry equal values, and
-    # the result is deterministic with no host-side count of the request's rows.
-    width = rows.shape[1]
+    # A seeded request draws one row per node from its own generator, so its stream
+    # depends on its own tree only. Its nodes are the first num_nodes[req] columns
+    # (the rest repeat its last row), counted on the host: no device-side count.
     for req, generator in sampling_metadata.generators.items():
         if req < num_reqs:
-            draws = torch.empty((width, probs.shape[1]), device=probs.device
-                                ).exponential_(generator=generator)
-            noise[rows[req]] = draws[rows[req] - rows[req, 0]]
+            count = rows.shape[1] if num_nodes is None else num_nodes[req]
+            noise[rows[req, :count]] = torch.empty(
+                (count, probs.shape[1]), device=probs.device
+            ).exponential_(generator=generator)
     sampled = probs.div(noise).argmax(dim=-1)
     if sampling_metadata.all_random:  # no greedy request: no argmax pass
         return sampled[rows]
