@@ -103,7 +103,9 @@ class FakeLLM:
         return []
 
 
-def test_tensor_parallel_size_reaches_every_engine_and_the_results(tmp_path, monkeypatch):
+def fake_engines(tmp_path, monkeypatch) -> Path:
+    """vllm.LLM replaced by FakeLLM (its record emptied); returns a drafter directory
+    of block size 8 for bench.main."""
     import vllm
 
     FakeLLM.made = []
@@ -111,6 +113,11 @@ def test_tensor_parallel_size_reaches_every_engine_and_the_results(tmp_path, mon
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
+    return drafter
+
+
+def test_tensor_parallel_size_reaches_every_engine_and_the_results(tmp_path, monkeypatch):
+    drafter = fake_engines(tmp_path, monkeypatch)
     out = tmp_path / "tp2"
     bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--budgets", "16",
                 "--caps", "4", "--max-tokens", "4", "--tensor-parallel-size", "2",
@@ -122,14 +129,8 @@ def test_tensor_parallel_size_reaches_every_engine_and_the_results(tmp_path, mon
 def test_baseline_runners_add_v1_rows_without_async_scheduling(tmp_path, monkeypatch, capsys):
     """DDTree runs vLLM's V1 runner without async scheduling; --baseline-runners v1 adds
     plain and chain rows under the same settings next to vLLM's defaults."""
-    import vllm
-
-    FakeLLM.made = []
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    drafter = fake_engines(tmp_path, monkeypatch)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # as a DDTree engine leaves it
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
     out = tmp_path / "runners"
     bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods",
                 "plain,chain", "--baseline-runners", "default,v1", "--max-tokens", "4",
@@ -147,14 +148,8 @@ def test_baseline_runners_add_v1_rows_without_async_scheduling(tmp_path, monkeyp
 def test_scheduling_options_set_each_engines_runner_and_scheduling(tmp_path, monkeypatch):
     """--baseline-runners v1-async and --ddtree-scheduling sync,async: one engine per
     setting, each started with its own runner and scheduling, named by suffix."""
-    import vllm
-
-    FakeLLM.made = []
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    drafter = fake_engines(tmp_path, monkeypatch)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    drafter = tmp_path / "drafter"
-    drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
     out = tmp_path / "sched"
     bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods",
                 "chain,ddtree", "--baseline-runners", "default,v1-async", "--budgets", "16",
