@@ -36,6 +36,14 @@ def make_llm(model: str, speculative_config: dict | None = None, **kw: Any):
     return LLM(model=model, **args)
 
 
+def assert_scheduling_logged(capfd, async_scheduling: bool) -> str:
+    """The DDTree engine ran with the scheduling asked for (its runner's start-up line,
+    read from the engine process through the file descriptors). Returns the log."""
+    log = "".join(capfd.readouterr())
+    assert f"async scheduling {'on' if async_scheduling else 'off'}." in log
+    return log
+
+
 def keep_async_scheduling(monkeypatch) -> None:
     """Let engines made after this keep the async scheduling vLLM resolved on the CPU
     backend, whose platform hook turns it off (nothing there runs ahead of the host).

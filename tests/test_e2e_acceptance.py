@@ -16,6 +16,7 @@ import torch
 from tests import scripted_drafter
 from tests.e2e_utils import (
     PROMPTS,
+    assert_scheduling_logged,
     greedy,
     keep_async_scheduling,
     make_llm,
@@ -109,8 +110,7 @@ def test_exact_acceptance(tiny_llama, make_drafter, reference, monkeypatch, tmp_
         shutdown(llm)
 
     assert got == [out[:MAX_TOKENS] for out in outputs]
-    log = "".join(capfd.readouterr())
-    assert f"async scheduling {'on' if async_scheduling else 'off'}." in log
+    assert_scheduling_logged(capfd, async_scheduling)
     assert metrics["num_drafts"] == len(steps)
     assert metrics["num_draft_tokens"] == len(steps) * budget
     assert metrics["num_accepted_tokens"] == sum(accepted)

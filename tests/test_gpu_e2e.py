@@ -34,7 +34,14 @@ import pytest
 import torch
 
 from tests import scripted_drafter
-from tests.e2e_utils import PROMPTS, greedy, prompt_ids, shutdown, spec_metrics
+from tests.e2e_utils import (
+    PROMPTS,
+    assert_scheduling_logged,
+    greedy,
+    prompt_ids,
+    shutdown,
+    spec_metrics,
+)
 from tests.gpu_utils import (
     BF16_NEAR_TIE,
     ENGINE_MARKS,
@@ -110,12 +117,6 @@ def test_greedy_identical_float32(
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"] * min(budget, 2) / 2
 
 
-def assert_scheduling_logged(capfd, async_scheduling: bool) -> None:
-    """The DDTree engine ran with the scheduling asked for (its runner says so)."""
-    log = "".join(capfd.readouterr())
-    assert f"async scheduling {'on' if async_scheduling else 'off'}." in log
-
-
 def reference_then_ddtree(model, prompts, ddtree_config, monkeypatch, tmp_path, **kw):
     """Non-speculative greedy (with top-2 log-probabilities), then DDTree greedy with
     the drafter scripted from it, both engines built with ``kw``.
@@ -167,8 +168,7 @@ def test_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path, cap
         gpu_qwen3, PROMPTS16, config, monkeypatch, tmp_path, dtype="bfloat16", graphs=True,
         async_scheduling=async_scheduling,
     )
-    log = "".join(capfd.readouterr())
-    assert f"async scheduling {'on' if async_scheduling else 'off'}." in log
+    log = assert_scheduling_logged(capfd, async_scheduling)
     assert "Using FLASH_ATTN attention backend" in log
     assert "DDTree tree attention: FlashAttention 3 over the prefix" in log
     expected = [r[0] for r in reference]
