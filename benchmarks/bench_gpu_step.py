@@ -103,8 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="short/long pairs per batch (3)")
     p.add_argument("--max-model-len", type=int, default=None, help="default >= 4096, fits all")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--sync-scheduling", action="store_true",
-                   help="async_scheduling=False for every engine (DDTree always runs without)")
+    scheduling = p.add_mutually_exclusive_group()
+    scheduling.add_argument("--sync-scheduling", action="store_true",
+                            help="async_scheduling=False for every engine")
+    scheduling.add_argument("--async-scheduling", action="store_true",
+                            help="async_scheduling=True for every engine, DDTree's too "
+                                 "(by default vLLM decides for plain and chain, and DDTree "
+                                 "runs without)")
     p.add_argument("--all-capture-sizes", action="store_true",
                    help="let vLLM capture its default CUDA-graph sizes (slower start)")
     p.add_argument("--no-tree-ops", action="store_true", help="skip the plugin-share part")
@@ -388,11 +393,19 @@ def make_engine(run: EngineRun, target: Path, drafter: Path, args: argparse.Name
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=0, disable_log_stats=False, speculative_config=run.speculative_config(drafter))
-    if args.sync_scheduling:
-        kwargs["async_scheduling"] = False
+    kwargs.update(scheduling_kwargs(args))
     if not args.all_capture_sizes:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(run, args)}
     return LLM(**kwargs)
+
+
+def scheduling_kwargs(args: argparse.Namespace) -> dict[str, bool]:
+    """The engines' async_scheduling: one setting for all, or each engine's default."""
+    if args.sync_scheduling:
+        return {"async_scheduling": False}
+    if getattr(args, "async_scheduling", False):
+        return {"async_scheduling": True}
+    return {}
 
 
 def capture_sizes(run: EngineRun, args: argparse.Namespace) -> list[int]:

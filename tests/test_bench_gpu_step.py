@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_gpu_step as bench
@@ -97,3 +99,15 @@ def test_ddtree_triton_runs_the_tree_kernel_alone(tmp_path):
     spec = runs[3].speculative_config(tmp_path)
     assert spec["method"] == "ddtree" and spec["ddtree_prefix_attention"] == "triton"
     assert "ddtree_prefix_attention" not in runs[1].speculative_config(tmp_path)
+
+
+def test_scheduling_flags_set_every_engine_alike():
+    """--sync-scheduling / --async-scheduling pin async_scheduling for every engine
+    (DDTree's included); without either each engine keeps its default."""
+    assert bench.scheduling_kwargs(bench.parse_args(["--dry-run"])) == {}
+    assert bench.scheduling_kwargs(bench.parse_args(["--sync-scheduling"])) == {
+        "async_scheduling": False}
+    assert bench.scheduling_kwargs(bench.parse_args(["--async-scheduling"])) == {
+        "async_scheduling": True}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sync-scheduling", "--async-scheduling"])
