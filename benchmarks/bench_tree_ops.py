@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_ddtree.compact_step_triton import compact_step_triton
-from vllm_ddtree.tree import build_ddtree
+from vllm_ddtree.tree import _topk_and_repair, build_ddtree, topk_per_depth
 from vllm_ddtree.verify import walk_tree
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 4096, 12288, 32, 8, 128, 151936, 36
@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int_list, default=[1, 32])
     p.add_argument("--budgets", type=int_list, default=[16, 64, 256])
     p.add_argument("--max-depth", type=int, default=15, help="DFlash block size - 1")
+    p.add_argument("--topk-cap", type=int, default=None,
+                   help="ddtree_topk_cap (default none: k = budget)")
     p.add_argument("--vocab", type=int, default=VOCAB)
     p.add_argument("--layers", type=int, default=LAYERS)
     p.add_argument("--context", type=int, default=4096, help="prefix tokens per request")
@@ -107,13 +109,14 @@ class TreeOps:
     def __init__(self, batch: int, budget: int, args):
         dev = DEVICE
         self.batch, self.budget, self.depth = batch, budget, args.max_depth
+        self.topk_cap = args.topk_cap
         n = budget + 1
         gen = torch.Generator(device=dev).manual_seed(batch * 1000 + budget)
         logits = 2.0 * torch.randn(batch, self.depth, args.vocab, device=dev, generator=gen)
         self.logprobs = logits.log_softmax(dim=-1)
         self.roots = torch.randint(0, args.vocab, (batch,), device=dev, generator=gen)
         # Target tokens that follow the tree 80% of the time, so walks go deep.
-        tree = build_ddtree(self.logprobs, self.roots, budget)
+        tree = self.build()
         child_tok = torch.zeros(batch, n + 1, dtype=torch.int64, device=dev)
         is_child = tree.valid & (torch.arange(n, device=dev) > 0)  # the root is no child
         child_tok.scatter_(1, torch.where(is_child, tree.parents, n), tree.tokens)
@@ -143,7 +146,12 @@ class TreeOps:
         self.row_start = self.query_start_loc[:-1].to(torch.int64)
 
     def build(self):
-        return build_ddtree(self.logprobs, self.roots, self.budget)
+        return build_ddtree(self.logprobs, self.roots, self.budget, self.topk_cap)
+
+    @property
+    def k(self) -> int:
+        """Tokens per depth the build keeps: min(budget, cap, vocab)."""
+        return min(self.budget, self.topk_cap or self.budget, self.logprobs.shape[-1])
 
     def walk(self, tree):
         return walk_tree(tree, self.target, self.depth)
@@ -241,6 +249,12 @@ def main(argv: list[str] | None = None) -> None:
     print(HEADER)
     for row in rows:
         print(format_row(row))
+    print("\n== top-k per depth, one graph replay (ms): as built vs torch.topk + tie repair ==")
+    print(f"{'batch':>5} {'B':>4} {'k':>4} {'as built':>9} {'topk+repair':>12} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['budget']:>4} {r['k']:>4} {r['topk_graph_ms']:>9.3f} "
+              f"{r['topk_repair_graph_ms']:>12.3f} "
+              f"{r['topk_graph_ms'] / r['topk_repair_graph_ms']:>6.2f}")
     print(f"wrote {args.out}")
 
 
@@ -259,6 +273,12 @@ def measure_ops(batch: int, budget: int, args) -> dict:
     row["walk_graph_ms"] = graph_ms(functools.partial(ops.walk, tree), args.iters)
     row["compact_graph_ms"] = graph_ms(functools.partial(ops.compact, walk), args.iters)
     row["mean_accepted"] = float(walk.num_accepted.float().mean())
+    # The build's top-k as dispatched (fused up to FUSED_TOPK_MAX_K) next to torch.topk
+    # with the tie repair, at the same k, in the same run.
+    row["k"] = ops.k
+    row["topk_graph_ms"] = graph_ms(lambda: topk_per_depth(ops.logprobs, ops.k), args.iters)
+    row["topk_repair_graph_ms"] = graph_ms(
+        lambda: _topk_and_repair(ops.logprobs, ops.k, use_triton=True), args.iters)
     return row
 
 

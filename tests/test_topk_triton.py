@@ -1,4 +1,5 @@
-"""vllm_ddtree/topk_triton.py against its torch twin, tree.topk_per_depth on torch.
+"""vllm_ddtree/topk_triton.py against its torch twin, tree.topk_per_depth on torch:
+the fused top-k (k <= FUSED_TOPK_MAX_K) and torch.topk + the Triton tie repair.
 
 Inputs are built to tie: values drawn from a handful of levels (so runs of equal
 values cross the k-th slot), many copies of the value near rank k, zero-probability
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from tests.test_tree import clamp_edge_logprobs
-from tests.triton_utils import DEVICE, needs_kernel
-from vllm_ddtree.tree import topk_per_depth
+from tests.triton_utils import DEVICE, KernelRecorder, needs_kernel
+from vllm_ddtree import topk_triton as topk_module
+from vllm_ddtree.tree import LOGPROB_FLOOR, _topk_and_repair, topk_per_depth
 
 pytestmark = [pytest.mark.gpu, needs_kernel]
 
@@ -31,36 +33,74 @@ def tied_logprobs(num_reqs: int, depth: int, vocab: int, k: int, gen: torch.Gene
     return lp
 
 
+def fused(lp: torch.Tensor, k: int):
+    return topk_module.topk_triton(lp, k, LOGPROB_FLOOR)
+
+
+def repaired(lp: torch.Tensor, k: int):
+    return _topk_and_repair(lp, k, use_triton=True)
+
+
+PATHS = {"fused": fused, "repair": repaired}
+
+
+@pytest.mark.parametrize("path", ["fused", "repair"])
 @pytest.mark.parametrize("vocab,k", [
-    (1, 1), (5, 1), (5, 4), (5, 5), (40, 7), (300, 16), (1500, 1), (1500, 64), (2100, 33),
+    (1, 1), (5, 1), (5, 4), (5, 5), (40, 7), (300, 16), (1500, 1), (2100, 32),
     (10_000, 3),  # several scan blocks
+    (5000, 17),
 ])
-def test_kernel_matches_torch(vocab: int, k: int):
+def test_kernel_matches_torch(path: str, vocab: int, k: int):
     gen = torch.Generator().manual_seed(vocab * 7 + k)
     lp = tied_logprobs(3, 4, vocab, k, gen)
     want_vals, want_ids = topk_per_depth(lp, k, use_triton=False)
-    got_vals, got_ids = topk_per_depth(lp.to(DEVICE), k, use_triton=True)
+    got_vals, got_ids = PATHS[path](lp.to(DEVICE), k)
     assert torch.equal(got_vals.cpu(), want_vals)
     assert torch.equal(got_ids.cpu(), want_ids)
     assert got_vals.is_contiguous() and got_ids.is_contiguous()
 
 
-def test_rows_without_crossing_ties_are_left_to_the_sort():
+@pytest.mark.parametrize("vocab,k,fused_launches", [(300, 16, 2), (2100, 32, 2),
+                                                    (1500, 64, 0), (2100, 33, 0)])
+def test_small_k_takes_the_fused_top_k(monkeypatch, vocab: int, k: int, fused_launches: int):
+    """On the device topk_per_depth runs the fused top-k up to FUSED_TOPK_MAX_K, and
+    torch.topk with the tie repair above; both match the torch path."""
+    calls: list = []
+    for name in ("block_topk_kernel", "merge_topk_kernel"):
+        monkeypatch.setattr(topk_module, name,
+                            KernelRecorder(getattr(topk_module, name), calls))
+    gen = torch.Generator().manual_seed(vocab + k)
+    lp = tied_logprobs(2, 3, vocab, k, gen)
+    got = topk_per_depth(lp.to(DEVICE), k, use_triton=True)
+    want = topk_per_depth(lp, k, use_triton=False)
+    assert len(calls) == fused_launches
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
+def test_fused_top_k_refuses_k_beyond_its_bound():
+    lp = torch.zeros(1, 1, 100, device=DEVICE)
+    with pytest.raises(ValueError, match="k <= min"):
+        fused(lp, topk_module.FUSED_TOPK_MAX_K + 1)
+
+
+@pytest.mark.parametrize("path", ["fused", "repair"])
+def test_rows_without_crossing_ties_are_left_to_the_sort(path: str):
     """A row whose ties stay inside the top-k needs no scan; its tied ids still come
     out ascending."""
     lp = torch.full((1, 1, 10), -5.0)
     lp[0, 0, [7, 2, 9]] = -1.0  # three tied tokens, all in the top 3; the 4th is lower
-    vals, ids = topk_per_depth(lp.to(DEVICE), 3, use_triton=True)
+    vals, ids = PATHS[path](lp.to(DEVICE), 3)
     assert ids.cpu().tolist() == [[[2, 7, 9]]]
     assert vals.cpu().tolist() == [[[-1.0, -1.0, -1.0]]]
 
 
-def test_tied_ids_spread_over_scan_blocks_take_their_ranks():
-    """The lowest tied ids lie in different blocks of the scan (4096 entries each),
-    a later block's ids ranked after the earlier blocks' counts."""
+@pytest.mark.parametrize("path", ["fused", "repair"])
+def test_tied_ids_spread_over_scan_blocks_take_their_ranks(path: str):
+    """The lowest tied ids lie in different blocks of the scan (4096 entries each; the
+    fused top-k's blocks hold 2048), a later block's ids ranked after the earlier ones."""
     lp = torch.full((1, 1, 10_000), -5.0)
     lp[0, 0, [9500, 5000, 200, 9000]] = -1.0  # four tied, three kept: 200, 5000, 9000
     lp[0, 0, 7000] = -0.5  # the best token, alone
-    vals, ids = topk_per_depth(lp.to(DEVICE), 4, use_triton=True)
+    vals, ids = PATHS[path](lp.to(DEVICE), 4)
     assert ids.cpu().tolist() == [[[7000, 200, 5000, 9000]]]
     assert vals.cpu().tolist() == [[[-0.5, -1.0, -1.0, -1.0]]]

@@ -16,7 +16,7 @@ from vllm_ddtree.config import DDTreeConfig
 pytestmark = [pytest.mark.gpu, needs_kernel]
 
 KERNELS = {  # module: kernel names the warm-up must launch
-    "vllm_ddtree.topk_triton": ["count_ties_kernel", "repair_ties_kernel"],
+    "vllm_ddtree.topk_triton": ["block_topk_kernel", "merge_topk_kernel"],  # k <= 32
     "vllm_ddtree.tree_triton": ["select_tree_kernel"],
     "vllm_ddtree.step_tree_triton": ["step_trees_kernel"],
     "vllm_ddtree.compact_rows_triton": ["compact_rows_kernel", "chain_positions_kernel"],
@@ -159,3 +159,23 @@ def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypat
     assert len(wanted) == 2  # this shape: light tiles for small batches, heavy for large
     assert launched == {(c.block_m, c.block_n, split) for c in wanted
                         for split in (False, True)}
+
+
+def test_warm_up_takes_the_tie_repair_above_the_fused_top_k(monkeypatch):
+    """With k above FUSED_TOPK_MAX_K the tree build runs torch.topk and the tie repair:
+    the warm-up compiles those kernels instead of the fused top-k."""
+    import vllm_ddtree.topk_triton as topk_module
+
+    seen: list = []
+    for name in ("block_topk_kernel", "merge_topk_kernel", "count_ties_kernel",
+                 "repair_ties_kernel"):
+        monkeypatch.setattr(topk_module, name,
+                            KernelRecorder(getattr(topk_module, name), seen))
+    ddtree = DDTreeConfig(budget=topk_module.FUSED_TOPK_MAX_K + 1, topk_cap=None,
+                          block_size=2, vocab_size=300)
+    gen = torch.Generator().manual_seed(0)
+    groups = [make_caches(3, 4, 2, 16, 64, torch.bfloat16, gen)]
+    buffer = mask_buffer(4, ddtree.verify_width, torch.device(DEVICE))
+    warmup.warm_up_step_kernels(ddtree, torch.device(DEVICE), 48, torch.bfloat16, groups,
+                                buffer)
+    assert {name for name, _ in seen} == {"count_ties_kernel", "repair_ties_kernel"}

@@ -106,9 +106,26 @@ def topk_per_depth(
     The repair, on CUDA: one Triton launch in which only rows whose ties cross the k-th
     slot scan the vocabulary (topk_triton.py; topk takes k + 1 values to tell). Elsewhere,
     its torch twin below: the m lowest tied ids are the first m hits of a cumsum of
-    (clamped value == v) over the vocabulary, found by searchsorted."""
+    (clamped value == v) over the vocabulary, found by searchsorted. On CUDA with
+    k <= FUSED_TOPK_MAX_K, topk_triton gives the same result from one read of the rows,
+    without torch.topk."""
     if use_triton is None:
         use_triton = logprobs.is_cuda
+    if use_triton:
+        from vllm_ddtree.topk_triton import FUSED_TOPK_MAX_K, topk_triton
+
+        if k <= FUSED_TOPK_MAX_K:
+            return topk_triton(logprobs, k, LOGPROB_FLOOR)
+    return _topk_and_repair(logprobs, k, use_triton=use_triton)
+
+
+def _topk_and_repair(
+    logprobs: torch.Tensor,  # [num_reqs, max_depth, vocab] float32, no NaN
+    k: int,
+    *,
+    use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_per_depth through torch.topk and the tie repair (Triton or torch)."""
     vocab = logprobs.shape[-1]
     taken = min(k + 1, vocab) if use_triton else k
     raw_vals, ids = logprobs.topk(taken, dim=-1)  # values sorted descending
