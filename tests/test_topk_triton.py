@@ -104,3 +104,19 @@ def test_tied_ids_spread_over_scan_blocks_take_their_ranks(path: str):
     vals, ids = PATHS[path](lp.to(DEVICE), 4)
     assert ids.cpu().tolist() == [[[7000, 200, 5000, 9000]]]
     assert vals.cpu().tolist() == [[[-0.5, -1.0, -1.0, -1.0]]]
+
+
+@pytest.mark.parametrize("best_at", [list(range(16, 24)), list(range(5, 4096, 512)),
+                                     list(range(3, 128, 16)),  # k sub-blocks of one block
+                                     [2047, 2048, 4095, 0, 1, 31, 32, 1000]])
+def test_fused_top_k_finds_the_best_wherever_they_sit_in_a_block(best_at):
+    """The fused top-k keeps, per block, only the sub-blocks with the largest maxima:
+    the k best entries packed into one sub-block, one in each of k sub-blocks, or at
+    block edges must all come out."""
+    gen = torch.Generator().manual_seed(len(best_at))
+    lp = -10.0 - torch.rand(2, 1, 4096, generator=gen)
+    lp[:, 0, best_at] = -torch.rand(2, len(best_at), generator=gen)
+    want_vals, want_ids = topk_per_depth(lp, len(best_at), use_triton=False)
+    got_vals, got_ids = fused(lp.to(DEVICE), len(best_at))
+    assert sorted(got_ids[0, 0].cpu().tolist()) == sorted(best_at)
+    assert torch.equal(got_vals.cpu(), want_vals) and torch.equal(got_ids.cpu(), want_ids)
