@@ -63,9 +63,11 @@ QWEN3_8B_SHAPE: dict[str, Any] = {
 MASK_TOKEN_ID, TARGET_LAYER_IDS = 151669, [1, 9, 17, 25, 33]
 PROMPT_TOKEN_MAX = 151643  # ids below Qwen3's special tokens
 MAX_CAPTURE = 4096  # largest CUDA-graph size (tokens) captured by default
-# ddtree-triton: DDTree with ddtree_prefix_attention "triton" (the tree kernel alone),
-# to compare with the default's FlashAttention over the prefix in the same run.
-METHODS = ("plain", "chain", "ddtree", "ddtree-triton")
+# ddtree-triton / ddtree-flash: DDTree with ddtree_prefix_attention "triton" (the tree
+# kernel alone) / "flash_attn" (FlashAttention 3 over the prefix at every batch), to
+# compare with the default's "auto" in the same run.
+PREFIX_METHODS = {"ddtree-triton": "triton", "ddtree-flash": "flash_attn"}
+METHODS = ("plain", "chain", "ddtree", *PREFIX_METHODS)
 ENGINE_START_S = 75  # torch.compile + graph capture of an 8B model on an H200: 60-90 s
 _START = time.perf_counter()
 
@@ -174,9 +176,9 @@ class EngineRun:
                     "num_speculative_tokens": BLOCK_SIZE - 1}
         if self.method == "ddtree":
             return {"method": "ddtree", "model": str(drafter), "ddtree_budget": self.budget}
-        if self.method == "ddtree-triton":  # the tree kernel over prefix and tree alike
+        if self.method in PREFIX_METHODS:
             return {"method": "ddtree", "model": str(drafter), "ddtree_budget": self.budget,
-                    "ddtree_prefix_attention": "triton"}
+                    "ddtree_prefix_attention": PREFIX_METHODS[self.method]}
         return None
 
 
@@ -202,7 +204,7 @@ def merge_ops(old: list[dict], new: list[dict]) -> list[dict]:
 def plan_runs(args: argparse.Namespace) -> list[EngineRun]:
     runs = [EngineRun(r, m) for r in args.runners for m in ("plain", "chain")
             if m in args.methods]
-    for method in ("ddtree", "ddtree-triton"):
+    for method in ("ddtree", *PREFIX_METHODS):
         if method in args.methods:
             runs += [EngineRun("v1", method, b) for b in args.budgets]
     return runs

@@ -87,17 +87,19 @@ def test_plugin_digest_names_the_code_not_the_checkout(tmp_path):
     assert env["plugin_digest"] == bench.plugin_digest(repo_pkg)
 
 
-def test_ddtree_triton_runs_the_tree_kernel_alone(tmp_path):
-    """The ddtree-triton method is DDTree with ddtree_prefix_attention 'triton', planned
-    per budget next to the default's DDTree engines."""
-    args = SimpleNamespace(runners=["v1"], methods=["plain", "ddtree", "ddtree-triton"],
+def test_prefix_methods_pin_the_prefix_attention(tmp_path):
+    """ddtree-triton / ddtree-flash are DDTree with ddtree_prefix_attention 'triton' /
+    'flash_attn', planned per budget next to the default's DDTree engines."""
+    args = SimpleNamespace(runners=["v1"],
+                           methods=["plain", "ddtree", "ddtree-triton", "ddtree-flash"],
                            budgets=[16, 32])
     runs = bench.plan_runs(args)
     assert [(r.method, r.budget) for r in runs] == [
         ("plain", None), ("ddtree", 16), ("ddtree", 32), ("ddtree-triton", 16),
-        ("ddtree-triton", 32)]
+        ("ddtree-triton", 32), ("ddtree-flash", 16), ("ddtree-flash", 32)]
     spec = runs[3].speculative_config(tmp_path)
     assert spec["method"] == "ddtree" and spec["ddtree_prefix_attention"] == "triton"
+    assert runs[5].speculative_config(tmp_path)["ddtree_prefix_attention"] == "flash_attn"
     assert "ddtree_prefix_attention" not in runs[1].speculative_config(tmp_path)
 
 
