@@ -183,3 +183,21 @@ def test_readme_async_run_table_is_the_results_file():
         assert float(x_chain) == round(r["tok_per_s"] / chain["tok_per_s"], 2), name
         assert float(x_v1) == round(r["tok_per_s"] / chain_v1["tok_per_s"], 2), name
     assert seen == set(res)
+
+
+@pytest.mark.parametrize("doc,heading", [
+    (README, "runner  method         batch 1   batch 32   ms per step"),
+    (BENCH_README, "runner  method        batch 1   batch 32\n"),  # nothing after "32"
+])
+def test_async_step_cost_tables_are_the_results_file(doc, heading):
+    """Both READMEs' step costs with async scheduling on both runners (74f2c2b)."""
+    name = "gpu_step_20261130_74f2c2b_async.json"
+    runs = json.loads((RESULTS / name).read_text())["runs"]
+    costs = {(r["runner"], r["method"], row["batch"]): row["ms_per_step"]
+             for r in runs for row in r["rows"]}
+    rows = block_after(doc, heading)
+    assert len(rows) == len(runs) == 5
+    for runner, *method, b1, b32 in rows:
+        method = "ddtree" if method[0].startswith("ddtree") else method[0]
+        assert [float(b1), float(b32)] == [round(costs[(runner, method, b)], 3)
+                                           for b in (1, 32)], (runner, method)

@@ -71,8 +71,7 @@ class DDTreeConfig(BaseModel):
         "(ddtree_prefix_attention): 'flash_attn' = FlashAttention 3, then the tree "
         "kernel over the tree keys only, merged by LSE; 'triton' = the tree kernel "
         "alone; 'auto' = flash_attn where the FLASH_ATTN backend runs FlashAttention "
-        "3 in 16 bits and a step has fewer requests x KV heads than the GPU has SMs, "
-        "else triton.",
+        "3 in 16 bits, else triton.",
     )
 
     @model_validator(mode="after")

@@ -11,9 +11,9 @@ parent's:
 - a mixed step (some requests prefilling) runs the parent over every row,
   then recomputes the tree requests' rows with the tree kernel.
 
-On FLASH_ATTN with FlashAttention 3 in 16 bits, a steady-state step of few
-requests (``ddtree_prefix_attention`` "auto", the default: fewer requests x KV
-heads than SMs; "flash_attn": every step) splits each layer's tree attention in two:
+On FLASH_ATTN with FlashAttention 3 in 16 bits, a steady-state step
+(``ddtree_prefix_attention`` "auto", the default, or "flash_attn") splits each
+layer's tree attention in two:
 FlashAttention, non-causal, over each request's prefix alone (``seqused_k =
 seq_len - query_len``), returning its LSE; then the tree kernel starts from that
 partial softmax and attends to the tree keys only (:func:`flash_prefix_step`).
@@ -40,7 +40,6 @@ dimension and V in the second; :func:`split_kv_cache` gives the strided
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +64,6 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
 from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
-from vllm_ddtree.attention.tree_attention_plan import sm_count
 from vllm_ddtree.attention.triton_tree import (
     launch_tree_attention,
     plan_signature,
@@ -246,25 +244,17 @@ class TreeRowsImplMixin:
             # Only layers that see trees (the target's) need the tree kernel's features.
             check_tree_support(self, output_scale, output_block_scale)
             fa_version = getattr(self, "vllm_flash_attn_version", None)
-            # Steps of fewer requests than this run flash_prefix_step: all of them when
-            # asked for by name; under "auto" while the tree kernel's grid (requests x
-            # KV heads) leaves SMs idle, where it would need split-KV, which a CUDA
-            # graph captured with the capture's short context never uses. On an H200
-            # (bench_gpu_step, Qwen3-8B shape, 1K prompt) the FlashAttention prefix
-            # made the step 1.5% faster at batch 1, the tree kernel alone 5.5% at 32.
-            self._ddtree_flash_prefix_below = 0
-            if prefix_on_flash_attn(self._ddtree_prefix_choice, fa_version, query.dtype):
-                self._ddtree_flash_prefix_below = (
-                    sys.maxsize if self._ddtree_prefix_choice == "flash_attn"
-                    else -(-sm_count(query.device) // self.num_kv_heads)
-                )
+            # Steady-state steps run flash_prefix_step wherever FlashAttention 3 can
+            # take the prefix ("auto" and "flash_attn" alike). On an H200
+            # (bench_gpu_step, Qwen3-8B shape, 1K prompt, async scheduling) it made the
+            # step 1.5% faster at batch 1 and 2.3% at batch 32 than the tree kernel
+            # alone (results/gpu_step_20261130_05c4c06_b32_prefix.json).
+            self._ddtree_flash_prefix = prefix_on_flash_attn(
+                self._ddtree_prefix_choice, fa_version, query.dtype)
+            if self._ddtree_flash_prefix:
                 logger.info_once(
                     "DDTree tree attention: FlashAttention %d over the prefix, the tree "
-                    "kernel over the tree keys (%s)", fa_version,
-                    "every step" if self._ddtree_prefix_choice == "flash_attn" else
-                    f"steps of fewer than {self._ddtree_flash_prefix_below} requests; "
-                    f"larger ones: the tree kernel alone",
-                )
+                    "kernel over the tree keys", fa_version)
             self._ddtree_checked = True
         if not tree.all_rows_are_tree_rows:
             super().forward(
@@ -294,7 +284,7 @@ class TreeRowsImplMixin:
                     tree.packed_mask, self.scale)
             bounds = {"max_query_len": tree.width,
                       "max_seq_len": attn_metadata.max_seq_len, "out": out}
-            if num_reqs < self._ddtree_flash_prefix_below:
+            if self._ddtree_flash_prefix:
                 # The builder's FA3 schedule is this call's when it was made for the
                 # prefixes of this many requests (under a full CUDA graph both are
                 # the captured batch; vLLM pads the metadata to it).
