@@ -1,13 +1,17 @@
 """Deterministic top-k per depth on CUDA: a two-launch top-k for small k, and for
-larger k the tie repair of torch.topk in one Triton launch.
+larger k the tie repair of torch.topk in one Triton launch. Both have the same torch
+twin, ``tree.topk_per_depth(..., use_triton=False)``.
 
-``topk_triton`` (k <= ``FUSED_TOPK_MAX_K``) reads each row once: one program per
+``topk_triton`` (``tree.topk_per_depth`` takes it for k <= ``FUSED_TOPK_MAX_K``) reads
+each row once: one program per
 (row, block of ``_TOPK_BLOCK`` entries) packs every entry into an int64 key that orders
 by (clamped value, lower id first), takes the block's k largest keys, and one program
 per row takes the k largest of its blocks' candidates. Keys are unique, so the result
 is the rule below with no tie left to repair; at batch 32 a Qwen3 drafter's 480 rows
 of 151936 float32 log-probabilities are read once (about 0.3 GB), where torch.topk's
-radix selection passes over them several times.
+radix selection passes over them several times. Its cost grows with k (k rounds of a
+block-wide max): on the H200 at k = 16 it took 0.38x torch.topk + repair's time at
+batch 1 and 0.79x at batch 32 (benchmarks/README.md), hence the dispatch bound.
 
 ``tree.topk_per_depth`` calls it on CUDA; its torch twin, ``tree._repair_ties``, is
 the CPU path and the test oracle. The rule: the top-k of the clamped log-probabilities,
@@ -42,7 +46,8 @@ __all__ = ["FUSED_TOPK_MAX_K", "repair_ties_triton", "topk_triton"]
 
 _VOCAB_BLOCK = 4096  # vocabulary entries per program (tie repair)
 _TOPK_BLOCK = 2048  # vocabulary entries per program (fused top-k, first launch)
-FUSED_TOPK_MAX_K = 32  # above, k rounds of a block-wide max cost more than torch.topk
+FUSED_TOPK_MAX_K = 16  # tree.topk_per_depth's bound: measured faster up to here
+_TOPK_MAX_UNROLL = 64  # topk_triton's own bound (its k rounds are unrolled)
 _KEY_NONE = tl.constexpr(-(2**63))  # below every entry's key: a taken or out-of-range slot
 
 
@@ -56,9 +61,9 @@ def topk_triton(
     result, in two launches and one read of the rows. Capturable in a CUDA graph."""
     require_triton_device(logprobs, "topk_triton", "tree.topk_per_depth")
     num_reqs, max_depth, vocab = logprobs.shape
-    if not 1 <= k <= min(vocab, FUSED_TOPK_MAX_K):
+    if not 1 <= k <= min(vocab, _TOPK_MAX_UNROLL):
         raise ValueError(f"topk_triton takes 1 <= k <= min(vocab={vocab}, "
-                         f"{FUSED_TOPK_MAX_K}), got k={k}")
+                         f"{_TOPK_MAX_UNROLL}), got k={k}")
     rows = logprobs.contiguous()
     num_rows = num_reqs * max_depth
     vals = torch.empty(num_reqs, max_depth, k, dtype=torch.float32, device=rows.device)

@@ -1,8 +1,8 @@
 """The tree build as one CUDA-graph replay per batch size.
 
 Eager, ``build_ddtree`` was about fifteen small launches (top-k, clamp, tie repair, run
-sort, selection; fewer since the fused top-k); at small batches the host spends longer issuing them than the GPU
-spends running them (H200, batch 1, budget 16: 0.65 ms eager against 0.11 ms as one
+sort, selection; fewer since the fused top-k); at small batches the host spent longer
+issuing them than the GPU spent running them (H200, batch 1, budget 16: 0.65 ms eager against 0.11 ms as one
 graph replay, ``benchmarks/results/gpu_step.json``). So on CUDA the proposer writes the
 drafter's log-probabilities straight into a persistent buffer (``logprobs_out``) and
 ``build`` replays a graph captured, the first time each number of requests is met, over

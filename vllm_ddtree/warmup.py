@@ -6,11 +6,12 @@ of the plugin's kernels during its first DDTree requests (vLLM's JIT monitor war
 each), a pause of several seconds. At start-up, once the KV caches exist and before
 vLLM captures its CUDA graphs, ``warm_up_step_kernels`` runs scripted steps through
 every step kernel at the engine's shapes: the tree build (the fused top-k, or the
-top-k's tie repair above its k bound; tree selection), the step's trees (the first decode step without a tree, then a tree step
-of every width whose kernels compile another variant, as the scheduler's trimmed
-drafts can ask for; the masks packed into the runner's mask buffer), positions, the
-walk and the compaction of KV, rows and positions (in one launch, and by part). Each
-step accepts only its root, so the compaction moves nothing: the KV caches are read and left as they were.
+top-k's tie repair above its k bound; tree selection), the step's trees (the first
+decode step without a tree, then a tree step of every width whose kernels compile
+another variant, as the scheduler's trimmed drafts can ask for; the masks packed into
+the runner's mask buffer), positions, the walk and the compaction of KV, rows and
+positions (in one launch, and by part). Each step accepts only its root, so the
+compaction moves nothing: the KV caches are read and left as they were.
 
 ``warm_up_tree_attention`` then launches the tree-attention kernel for each distinct
 layer shape, with every tile configuration the plan can pick at this width for 1 to
