@@ -405,7 +405,7 @@ def scheduling_kwargs(args: argparse.Namespace) -> dict[str, bool]:
     """The engines' async_scheduling: one setting for all, or each engine's default."""
     if args.sync_scheduling:
         return {"async_scheduling": False}
-    if getattr(args, "async_scheduling", False):
+    if args.async_scheduling:
         return {"async_scheduling": True}
     return {}
 

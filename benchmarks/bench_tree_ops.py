@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_ddtree.compact_step_triton import compact_step_triton
+from vllm_ddtree.config import topk_width
 from vllm_ddtree.tree import _topk_and_repair, build_ddtree, topk_per_depth
 from vllm_ddtree.verify import walk_tree
 
@@ -151,7 +152,7 @@ class TreeOps:
     @property
     def k(self) -> int:
         """Tokens per depth the build keeps: min(budget, cap, vocab)."""
-        return min(self.budget, self.topk_cap or self.budget, self.logprobs.shape[-1])
+        return topk_width(self.budget, self.topk_cap, self.logprobs.shape[-1])
 
     def walk(self, tree):
         return walk_tree(tree, self.target, self.depth)

@@ -41,6 +41,12 @@ PrefixAttention = Literal["auto", "flash_attn", "triton"]
 DEFAULT_BUDGET = 16
 
 
+def topk_width(budget: int, topk_cap: int | None, vocab: int) -> int:
+    """Candidate tokens per depth of a tree: K = min(budget, topk_cap, vocab), no cap
+    meaning the budget."""
+    return min(budget, topk_cap if topk_cap is not None else budget, vocab)
+
+
 class DDTreeConfig(BaseModel):
     """Everything the DDTree step needs, validated once."""
 
@@ -101,8 +107,7 @@ class DDTreeConfig(BaseModel):
     @property
     def topk(self) -> int:
         """Candidate tokens per depth, K = min(budget, topk_cap, vocab)."""
-        cap = self.topk_cap if self.topk_cap is not None else self.budget
-        return min(self.budget, cap, self.vocab_size)
+        return topk_width(self.budget, self.topk_cap, self.vocab_size)
 
     @property
     def max_tree_nodes(self) -> int:

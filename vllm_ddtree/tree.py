@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_ddtree.config import topk_width
+
 LOGPROB_FLOOR = -1e30  # finite stand-in for log(0); keeps zero-probability prefixes orderable
 TOPK_CHUNK_ELEMS = 1 << 25  # vocab entries per tie-resolution chunk: bounds its transient memory
 KEY_NONE = 1 << 62  # order key of an empty slot: after every real key
@@ -75,7 +77,7 @@ def build_ddtree(
     top-K tokens per depth, then the selection and layout (Triton or its torch twin)."""
     _check_args(draft_logprobs, root_tokens, budget, topk_cap)
     _, max_depth, vocab = draft_logprobs.shape
-    k = min(budget, topk_cap if topk_cap is not None else budget, vocab)
+    k = topk_width(budget, topk_cap, vocab)
     top_vals, top_ids = topk_per_depth(  # [num_reqs, max_depth, k]
         draft_logprobs.float(), k,
         use_triton=draft_logprobs.is_cuda if use_triton is None else use_triton,
