@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also try other tile configs")
     p.add_argument("--sweep-budget-s", type=float, default=60.0)
+    p.add_argument("--split-sweep", action="store_true",
+                   help="time tile configs for the tree pass of the split (needs --fa3-so)")
     p.add_argument("--rep-ms", type=int, default=30)
     p.add_argument("--out", default="benchmarks/results/tree_attention_h200.json")
     return p.parse_args(argv)
@@ -322,6 +324,93 @@ def sweep(args, fa3) -> list[dict]:
     return rows
 
 
+SPLIT_SWEEP_SHAPES = [  # (context, batch, budget)
+    (1024, 1, 16), (1024, 1, 64), (1024, 1, 256), (1024, 8, 16), (1024, 8, 64),
+    (1024, 32, 16), (1024, 32, 64), (1024, 32, 256), (1024, 64, 256), (4096, 1, 16),
+    (4096, 1, 64), (4096, 1, 256), (4096, 8, 256), (16384, 1, 16), (16384, 8, 64),
+    (32768, 32, 256),
+]
+SPLIT_SWEEP_TILES = [  # tiled kernel: (block_m, block_n, num_warps, num_stages)
+    (16, 32, 2, 1), (32, 32, 4, 1), (64, 16, 4, 1), (64, 32, 4, 1), (128, 32, 4, 1),
+]
+SPLIT_SWEEP_ANCESTORS = [  # ancestor kernel: (tokens, slots, num_warps)
+    (2, 16, 4), (4, 16, 4), (8, 16, 4), (4, 16, 8),
+]
+
+
+def split_sweep(args, fa3) -> list[dict]:
+    """The split's tree pass under other tile configs: FA3 over the prefixes alone, FA3
+    dense causal, and prefix + tree pass per config (output checked against the tree
+    kernel alone)."""
+    from vllm_ddtree.attention.triton_tree import (
+        AncestorConfig,
+        TileConfig,
+        launch_tree_attention,
+        plan_tree_attention,
+        tree_attention_triton,
+    )
+
+    rows = []
+    for context, batch, budget in SPLIT_SWEEP_SHAPES:
+        print(f"split sweep ctx={context} batch={batch} B={budget} ...", flush=True)
+        case = Case(context, batch, budget + 1, args)
+        n, seq = budget + 1, context + budget + 1
+        q, seq_lens, cu_q, packed = case.inputs(n, seed=budget)
+        ref = tree_attention_triton(
+            q, case.key_cache, case.value_cache, case.block_table, seq_lens, cu_q, packed,
+            case.scale, max_query_len=n, max_seq_len=seq,
+        )
+        prefix_lens = seq_lens - n
+        out = torch.empty_like(q)
+        fa_out = torch.empty_like(q)
+        prefix = functools.partial(
+            fa3_call, fa3, q, case.key_cache, case.value_cache, out, cu_q, prefix_lens,
+            case.block_table, n, seq, case.scale, causal=False)
+        dense = functools.partial(
+            fa3_call, fa3, q, case.key_cache, case.value_cache, fa_out, cu_q, seq_lens,
+            case.block_table, n, seq, case.scale)
+        row = {"context": context, "batch": batch, "budget": budget,
+               "prefix_ms": bench(prefix, args.rep_ms), "fa3_ms": bench(dense, args.rep_ms),
+               "configs": []}
+        configs = ([None] + [TileConfig(*c) for c in SPLIT_SWEEP_TILES]
+                   + [AncestorConfig(*c) for c in SPLIT_SWEEP_ANCESTORS])
+        for cfg in configs:
+            plan = plan_tree_attention(
+                q, case.key_cache, case.value_cache, case.block_table, seq_lens, cu_q,
+                packed, case.scale, max_query_len=n, max_seq_len=seq, out=out,
+                prefix_given=True, config=cfg,
+            )
+
+            tree_pass = functools.partial(
+                launch_tree_attention, plan, q, case.key_cache, case.value_cache, out)
+
+            def split(prefix=prefix, tree_pass=tree_pass):
+                _, lse = prefix()
+                tree_pass(lse)
+
+            try:
+                split()
+                ms = bench(split, args.rep_ms)
+            except Exception as exc:  # noqa: BLE001
+                print(f"split sweep {context} {batch} {budget} {cfg}: {type(exc).__name__}")
+                continue
+            diff = (out.float() - ref.float()).abs().max().item()
+            print(f"  {cfg}: {ms:.4f} ms", flush=True)
+            name = "default" if cfg is None else f"{type(cfg).__name__}{tuple(cfg.__dict__.values())}"
+            row["configs"].append({"config": name, "split_ms": ms, "max_diff": diff})
+        best = min(row["configs"], key=lambda c: c["split_ms"])
+        default = row["configs"][0]
+        print(f"split sweep ctx={context} batch={batch} B={budget}: prefix {row['prefix_ms']:.4f} "
+              f"fa3 {row['fa3_ms']:.4f} default {default['split_ms']:.4f} "
+              f"({default['split_ms'] / row['fa3_ms']:.2f}x) best {best['config']} "
+              f"{best['split_ms']:.4f} ({best['split_ms'] / row['fa3_ms']:.2f}x, "
+              f"diff {best['max_diff']:.1e})", flush=True)
+        rows.append(row)
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -332,6 +421,13 @@ def main(argv: list[str] | None = None) -> None:
     results: list[dict] = []
     sweep_rows: list[dict] = []
     started = time.time()
+    if args.split_sweep:
+        if fa3 is None:
+            raise SystemExit("--split-sweep needs --fa3-so")
+        sweep_rows = split_sweep(args, fa3)
+        save(args, fa3, results, sweep_rows)
+        print(f"wrote {args.out}")
+        return
     print(HEADER)
     for context in args.contexts:
         for batch in args.batches:
