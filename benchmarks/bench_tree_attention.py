@@ -333,9 +333,6 @@ SPLIT_SWEEP_SHAPES = [  # (context, batch, budget)
 SPLIT_SWEEP_TILES = [  # tiled kernel: (block_m, block_n, num_warps, num_stages)
     (16, 32, 2, 1), (32, 32, 4, 1), (64, 16, 4, 1), (64, 32, 4, 1), (128, 32, 4, 1),
 ]
-SPLIT_SWEEP_ANCESTORS = [  # ancestor kernel: (tokens, slots, num_warps)
-    (2, 16, 4), (4, 16, 4), (8, 16, 4), (4, 16, 8),
-]
 
 
 def split_sweep(args, fa3) -> list[dict]:
@@ -343,7 +340,6 @@ def split_sweep(args, fa3) -> list[dict]:
     dense causal, and prefix + tree pass per config (output checked against the tree
     kernel alone)."""
     from vllm_ddtree.attention.triton_tree import (
-        AncestorConfig,
         TileConfig,
         launch_tree_attention,
         plan_tree_attention,
@@ -372,8 +368,7 @@ def split_sweep(args, fa3) -> list[dict]:
         row = {"context": context, "batch": batch, "budget": budget,
                "prefix_ms": bench(prefix, args.rep_ms), "fa3_ms": bench(dense, args.rep_ms),
                "configs": []}
-        configs = ([None] + [TileConfig(*c) for c in SPLIT_SWEEP_TILES]
-                   + [AncestorConfig(*c) for c in SPLIT_SWEEP_ANCESTORS])
+        configs = [None] + [TileConfig(*c) for c in SPLIT_SWEEP_TILES]
         for cfg in configs:
             plan = plan_tree_attention(
                 q, case.key_cache, case.value_cache, case.block_table, seq_lens, cu_q,

@@ -29,9 +29,8 @@ from vllm_ddtree.attention.reference import (
     tree_attention_reference,
     write_kv_to_cache,
 )
-from vllm_ddtree.attention.tree_attention_plan import ANCESTORS_ABOVE
+from vllm_ddtree.attention.tree_attention_plan import pick_prefix_given_config, sm_count
 from vllm_ddtree.attention.triton_tree import (
-    AncestorConfig,
     TileConfig,
     launch_tree_attention,
     plan_signature,
@@ -442,7 +441,7 @@ def test_mask_narrower_than_verify_width_is_rejected():
 
 
 def run_prefix_given(batch: Batch, mask: torch.Tensor | None, lse_sign: float = 1.0,
-                     config: TileConfig | AncestorConfig | None = None):
+                     config: TileConfig | None = None):
     """The prefix through prefix_attention_reference (FlashAttention's twin), then the
     kernel over the tree keys from that partial result; padding rows start as NaN."""
     out, lse = prefix_attention_reference(
@@ -461,11 +460,11 @@ def run_prefix_given(batch: Batch, mask: torch.Tensor | None, lse_sign: float = 
     return out
 
 
-# The tree keys' two kernels: tiled (as picked for narrow trees), ancestor-gathering.
-PREFIX_KERNELS = {"tiles": TileConfig(32, 32, 4, 1), "ancestors": AncestorConfig(4, 16, 4)}
+# pick_prefix_given_config's tiles for many requests (the test batch gets the other's).
+PREFIX_TILES = {"64x16": TileConfig(64, 16, 4, 1), "64x32": TileConfig(64, 32, 4, 1)}
 
 
-@pytest.mark.parametrize("kernel", ["auto", *PREFIX_KERNELS])
+@pytest.mark.parametrize("kernel", ["auto", *PREFIX_TILES])
 @pytest.mark.parametrize("budget", [1, 16, 63] if INTERPRET else BUDGETS)
 def test_prefix_given_matches_reference(budget: int, kernel: str):
     # Mixed widths, a plain decode row, an empty prefix and a long one.
@@ -478,90 +477,30 @@ def test_prefix_given_matches_reference(budget: int, kernel: str):
     mask = padded_tree_mask(trees, budget + 4, seed=budget + 40)
     for lse_sign in (1.0, -1.0):
         out = run_prefix_given(batch, pack_tree_mask(mask), lse_sign,
-                               PREFIX_KERNELS.get(kernel))
+                               PREFIX_TILES.get(kernel))
         assert_close(out, run_reference(batch, mask))
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.float32] if INTERPRET else [torch.float32, torch.float16, BF16])
-@pytest.mark.parametrize(("heads", "head_dim"), [((12, 4), 64), ((4, 4), 256), ((8, 1), 128)])
-def test_ancestor_kernel_shapes_and_deep_paths(heads, head_dim: int, dtype: torch.dtype):
-    """A path of 40 rows (40 ancestors: three rounds of 16 slots), a bushy tree, a
-    root alone; GQA groups of 3 and 8, MHA; head sizes 64, 128, 256."""
-    rng = random.Random(47)
-    trees = [list(range(-1, 39)), random_tree_parents(33, MAX_DEPTH, rng), [-1]]
-    batch = make_batch([len(t) for t in trees], [21, 0, 300], heads, head_dim, dtype,
-                       seed=47)
-    mask = padded_tree_mask(trees, 40, 47)
-    for config in (AncestorConfig(4, 16, 4), AncestorConfig(1, 32, 2)):
-        assert_close(run_prefix_given(batch, mask, config=config), run_reference(batch, mask))
-
-
-def test_ancestor_kernel_with_every_bit_set():
-    """Rows that see every verify token (a mask of all ones, padding words included):
-    the bits past a request's rows are dropped, the rest served in rounds."""
-    batch = make_batch([70, 5], [13, 64], (8, 2), 64, torch.float32, seed=48)
-    full = torch.ones(2, 70, 70, dtype=torch.bool, device=DEVICE)
-    assert_close(run_prefix_given(batch, full, config=AncestorConfig(2, 16, 4)),
-                 run_reference(batch, full))
-
-
-def test_prefix_given_picks_the_ancestor_kernel_for_wide_trees():
-    def plan(width: int, with_mask: bool = True, **kwargs):
-        batch = make_batch([width], [40], (8, 2), 64, BF16, seed=49)
-        mask = padded_tree_mask(random_trees([width - 1], seed=49), width, 49)
-        return plan_tree_attention(
-            batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-            batch.seq_lens, batch.query_start_loc, mask if with_mask else None, SCALE,
-            **kwargs)
-
-    assert plan(ANCESTORS_ABOVE + 1, prefix_given=True).ancestors
-    assert not plan(ANCESTORS_ABOVE, prefix_given=True).ancestors
-    assert not plan(ANCESTORS_ABOVE + 1, with_mask=False, prefix_given=True).ancestors
-    assert not plan(ANCESTORS_ABOVE + 1).ancestors  # the prefix is the tiled kernel's
-    with pytest.raises(ValueError, match="AncestorConfig needs the prefix given"):
-        plan(17, config=AncestorConfig(4, 16, 4))
-    with pytest.raises(ValueError, match="slots a power of two"):
-        plan(17, prefix_given=True, config=AncestorConfig(4, 24, 4))
-
-
-@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
-def test_ancestor_kernel_captured_serves_other_trees():
-    """Captured once, replayed over new masks and queries in the same buffers: the
-    rounds a row needs are counted on the device, never fixed at capture."""
-    width = 65
-    batch = make_batch([width, width], [100, 7], (8, 2), 128, BF16, seed=50)
-    first = padded_tree_mask(random_trees([width - 1] * 2, seed=50), width, 50)
-    mask = pack_tree_mask(first)
-    out, lse = prefix_attention_reference(
-        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-        batch.seq_lens, batch.query_start_loc, SCALE,
-    )
-    plan = plan_tree_attention(
-        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-        batch.seq_lens, batch.query_start_loc, mask, SCALE, max_query_len=width,
-        max_seq_len=200, out=out, prefix_given=True,
-    )
-    assert plan.ancestors
-
-    def launch() -> None:
-        launch_tree_attention(plan, batch.query, batch.key_cache, batch.value_cache, out, lse)
-
-    launch()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    chain = torch.ones(2, width, width, dtype=torch.bool, device=DEVICE).tril()
-    mask.copy_(pack_tree_mask(chain))  # 65 ancestors for the last row: five rounds
-    batch.query.copy_(torch.randn_like(batch.query))
-    out_new, lse_new = prefix_attention_reference(
-        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-        batch.seq_lens, batch.query_start_loc, SCALE,
-    )
-    out.copy_(out_new)
-    lse.copy_(lse_new)
-    graph.replay()
-    assert_close(out, run_reference(batch, chain))
+def test_prefix_given_takes_small_tiles():
+    """The tree keys alone (at most budget + 1) take small one-pass tiles, never the
+    128 x 128 three-stage tiles of a whole context: those were 1.3-1.8x slower on the
+    H200 (bench_tree_attention --split-sweep)."""
+    num_reqs = 40
+    batch = make_batch([65] * num_reqs, [40] * num_reqs, (32, 8), 128, BF16, seed=49)
+    mask = padded_tree_mask(random_trees([64] * num_reqs, seed=49), 65, 49)
+    for reqs in (1, num_reqs):
+        plan = plan_tree_attention(
+            batch.query, batch.key_cache, batch.value_cache, batch.block_table[:reqs],
+            batch.seq_lens[:reqs], batch.query_start_loc[: reqs + 1], mask[:reqs], SCALE,
+            prefix_given=True,
+        )
+        picked = pick_prefix_given_config(128, 4, BF16, 65, reqs * 8, sm_count(DEVICE))
+        assert (plan.constexprs["BLOCK_M"], plan.constexprs["BLOCK_N"]) == (
+            picked.block_m, picked.block_n)
+        assert picked.block_n <= 32 and picked.num_stages == 1
+    assert pick_prefix_given_config(128, 4, BF16, 65, 8, 132) == TileConfig(32, 32, 4, 1)
+    assert pick_prefix_given_config(128, 4, BF16, 65, 320, 132) == TileConfig(64, 16, 4, 1)
+    assert pick_prefix_given_config(128, 4, BF16, 17, 320, 132) == TileConfig(64, 32, 4, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

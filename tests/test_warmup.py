@@ -135,11 +135,15 @@ def test_tree_attention_warm_up_runs_the_prefix_given_variant(monkeypatch):
 
 
 def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypatch):
-    """Small batches take lighter tiles than large ones (pick_tile_config): every
-    configuration a batch of 1 to max_num_reqs would launch is compiled at start-up, each
-    without and with a split (an H200 step benchmark met a new variant at batch 32)."""
+    """Small batches take lighter tiles than large ones (pick_tile_config, and with the
+    prefix given pick_prefix_given_config): every configuration a batch of 1 to
+    max_num_reqs would launch is compiled at start-up, each without and with a split
+    (an H200 step benchmark met a new variant at batch 32)."""
     from vllm_ddtree.attention import triton_tree
-    from vllm_ddtree.attention.tree_attention_plan import pick_tile_config
+    from vllm_ddtree.attention.tree_attention_plan import (
+        pick_prefix_given_config,
+        pick_tile_config,
+    )
 
     seen: list = []
     monkeypatch.setattr(triton_tree, "tree_attention_kernel",
@@ -147,18 +151,26 @@ def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypat
     gen = torch.Generator().manual_seed(2)
     cache, = make_caches(1, 3, 2, 16, 2 * 32, torch.bfloat16, gen)
     width, max_num_reqs, num_heads, num_kv_heads = 17, 40, 8, 2
-    layers = [warmup.AttentionShape(num_heads, 32, 32 ** -0.5, cache)]
+    layers = [warmup.AttentionShape(num_heads, 32, 32 ** -0.5, cache, flash_prefix=True)]
     buffer = mask_buffer(2, width, torch.device(DEVICE))
 
     warmup.warm_up_tree_attention(layers, torch.bfloat16, width, buffer[:1], max_num_reqs)
 
-    launched = {(kw["BLOCK_M"], kw["BLOCK_N"], kw["SPLIT"]) for _, kw in seen}
-    wanted = {pick_tile_config(32, num_heads // num_kv_heads, torch.bfloat16, width,
-                               n * num_kv_heads, 132)
-              for n in range(1, max_num_reqs + 1)}
+    def configs(pick) -> set:
+        return {pick(32, num_heads // num_kv_heads, torch.bfloat16, width,
+                     n * num_kv_heads, 132) for n in range(1, max_num_reqs + 1)}
+
+    launched = {(kw["BLOCK_M"], kw["BLOCK_N"], kw["SPLIT"]) for _, kw in seen
+                if not kw["PREFIX_GIVEN"]}
+    wanted = configs(pick_tile_config)
     assert len(wanted) == 2  # this shape: light tiles for small batches, heavy for large
     assert launched == {(c.block_m, c.block_n, split) for c in wanted
                         for split in (False, True)}
+    # With the prefix given: the tiles for the tree keys alone, for every batch too.
+    launched = {(kw["BLOCK_M"], kw["BLOCK_N"]) for _, kw in seen if kw["PREFIX_GIVEN"]}
+    wanted = configs(pick_prefix_given_config)
+    assert len(wanted) == 2
+    assert launched == {(c.block_m, c.block_n) for c in wanted}
 
 
 def test_warm_up_takes_the_tie_repair_above_the_fused_top_k(monkeypatch):

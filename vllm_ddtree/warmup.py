@@ -35,6 +35,7 @@ from vllm_ddtree.attention.kv_move_triton import compact_kv_triton
 from vllm_ddtree.attention.tree_attention_plan import (
     MIN_SPLIT_KEYS,
     TileConfig,
+    pick_prefix_given_config,
     pick_tile_config,
     sm_count,
 )
@@ -166,15 +167,17 @@ def warm_up_tree_attention(
         seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
         query_start = torch.tensor([0, width], dtype=torch.int32, device=device)
         query = torch.zeros(width, layer.num_heads, layer.head_size, dtype=dtype, device=device)
-        for config in tile_configs(layer.num_heads, layer.head_size, key_cache.shape[2], dtype,
-                                   width, max_num_reqs, sm_count(device)):
+        shape = (layer.num_heads, layer.head_size, key_cache.shape[2], dtype, width,
+                 max_num_reqs, sm_count(device))
+        for config in tile_configs(*shape):
             for num_splits in (1, 2):
                 tree_attention_triton(query, key_cache, value_cache, block_table, seq_lens,
                                       query_start, packed_mask, layer.scale,
                                       max_query_len=width, max_seq_len=seq_len,
                                       num_splits=num_splits, config=config)
-            if layer.flash_prefix:
-                lse = torch.zeros(layer.num_heads, width, device=device)
+        if layer.flash_prefix:
+            lse = torch.zeros(layer.num_heads, width, device=device)
+            for config in tile_configs(*shape, pick=pick_prefix_given_config):
                 tree_attention_triton(query, key_cache, value_cache, block_table, seq_lens,
                                       query_start, packed_mask, layer.scale,
                                       max_query_len=width, max_seq_len=seq_len,
@@ -183,13 +186,15 @@ def warm_up_tree_attention(
 
 
 def tile_configs(num_heads: int, head_size: int, num_kv_heads: int, dtype: torch.dtype,
-                 width: int, max_num_reqs: int, num_sms: int) -> list[TileConfig]:
+                 width: int, max_num_reqs: int, num_sms: int,
+                 pick=pick_tile_config) -> list[TileConfig]:
     """The distinct tile configurations the plan picks for 1 to ``max_num_reqs``
-    requests of ``width`` rows (tree_attention_plan.pick_tile_config)."""
+    requests of ``width`` rows (tree_attention_plan.pick_tile_config, or with the
+    prefix given pick_prefix_given_config)."""
     configs: list[TileConfig] = []
     for num_reqs in range(1, max(1, max_num_reqs) + 1):
-        config = pick_tile_config(head_size, num_heads // num_kv_heads, dtype, width,
-                                  num_reqs * num_kv_heads, num_sms)
+        config = pick(head_size, num_heads // num_kv_heads, dtype, width,
+                      num_reqs * num_kv_heads, num_sms)
         if config not in configs:
             configs.append(config)
     return configs

@@ -19,7 +19,6 @@ from vllm_ddtree.attention.reference import BITS_PER_WORD, pack_tree_mask
 from vllm_ddtree.triton_device import require_triton_device
 
 __all__ = [
-    "AncestorConfig",
     "TileConfig",
     "TreeAttentionPlan",
     "choose_num_splits",
@@ -34,8 +33,6 @@ LOG2_E = 1.4426950408889634
 MIN_SPLIT_KEYS = 256  # a KV split shorter than this costs more to merge than it saves
 MAX_SPLITS = 64
 WAVES = 2  # split until about this many programs per SM
-# With the prefix given, trees of more verify rows than this take the ancestor kernel.
-ANCESTORS_ABOVE = 32
 
 
 @dataclass(frozen=True)
@@ -44,16 +41,6 @@ class TileConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
-
-
-@dataclass(frozen=True)
-class AncestorConfig:
-    """Tiles of the kernel that gathers each verify row's ancestors (ancestor_triton.py),
-    which takes the tree keys when the prefix is given."""
-
-    tokens: int  # verify tokens per program
-    slots: int  # keys gathered per token and round (>= 16)
-    num_warps: int
 
 
 @dataclass
@@ -76,8 +63,6 @@ class TreeAttentionPlan:
     # ``out`` comes holding the prefix's attention and the launch brings its LSE
     # (FlashAttention over the prefix): the kernel attends to the tree keys only.
     prefix_given: bool = False
-    # The tree keys go through ancestor_triton's kernel (prefix given, masks packed).
-    ancestors: bool = False
 
 
 def plan_signature(
@@ -108,14 +93,12 @@ def plan_tree_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    config: TileConfig | AncestorConfig | None = None,
+    config: TileConfig | None = None,
     prefix_given: bool = False,
 ) -> TreeAttentionPlan:
     """Check the inputs and choose tiles, splits and grid (tree_attention_triton's
-    keywords; ``prefix_given``: its ``prefix_lse`` will come with every launch). With
-    the prefix given and a mask, the tree keys take either kernel: the tiled one
-    (a ``TileConfig``) or the one that gathers each row's ancestors (an
-    ``AncestorConfig``); ``config=None`` picks (pick_prefix_given_config)."""
+    keywords; ``prefix_given``: its ``prefix_lse`` will come with every launch, and
+    the tiles are pick_prefix_given_config's unless ``config`` is given)."""
     num_reqs = _check_inputs(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out
     )
@@ -144,22 +127,8 @@ def plan_tree_attention(
 
     group = num_heads // num_kv_heads
     num_sms = sm_count(query.device)
-    if config is None and prefix_given:
-        config = pick_prefix_given_config(
-            head_dim, group, query.dtype, max_query_len, num_reqs * num_kv_heads, num_sms,
-            has_mask=mask is not None,
-        )
-    if isinstance(config, AncestorConfig):
-        if not prefix_given or mask is None:
-            raise ValueError(
-                "an AncestorConfig needs the prefix given and a tree mask: the kernel "
-                "gathers each verify row's ancestors from its mask"
-            )
-        return _ancestor_plan(
-            config, signature, query, key_cache, value_cache, block_table, seq_lens,
-            query_start_loc, mask, scale, max_query_len, num_reqs,
-        )
-    config = config or pick_tile_config(
+    pick = pick_prefix_given_config if prefix_given else pick_tile_config
+    config = config or pick(
         head_dim, group, query.dtype, max_query_len, num_reqs * num_kv_heads, num_sms
     )
     tokens_per_tile = config.block_m // group
@@ -216,61 +185,6 @@ def plan_tree_attention(
     )
 
 
-def _ancestor_plan(
-    config: AncestorConfig,
-    signature: tuple,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    mask: torch.Tensor,  # [num_reqs, max_q, words] int32
-    scale: float,
-    max_query_len: int,
-    num_reqs: int,
-) -> TreeAttentionPlan:
-    if config.slots < 16 or config.slots & (config.slots - 1) or config.tokens < 1:
-        raise ValueError(f"AncestorConfig needs slots a power of two >= 16, got {config}")
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    words = -(-max_query_len // BITS_PER_WORD)
-    tokens = triton.next_power_of_2(config.tokens)
-    return TreeAttentionPlan(
-        signature=signature,
-        num_tokens=num_tokens,
-        num_reqs=num_reqs,
-        num_splits=1,
-        # The extra request index is the program that zeroes padding rows.
-        grid=(max(1, triton.cdiv(max_query_len, tokens)), num_kv_heads, num_reqs + 1),
-        part_out=None,
-        part_lse=None,
-        query_start_loc=query_start_loc,
-        step_args=(block_table, seq_lens, query_start_loc, mask, scale * LOG2_E,
-                   num_reqs, num_tokens),
-        stride_args=(*key_cache.stride()[:3], *value_cache.stride()[:3],
-                     block_table.stride(0), *mask.stride()[:2]),
-        constexprs={
-            "NUM_KV_HEADS": num_kv_heads,
-            "GROUP": group,
-            "GROUP_PAD": max(16, triton.next_power_of_2(group)),
-            "HEAD_DIM": head_dim,
-            "HEAD_DIM_PAD": max(16, triton.next_power_of_2(head_dim)),
-            "PAGE_SIZE": key_cache.shape[1],
-            "TOKENS": tokens,
-            "SLOTS": config.slots,
-            "WORDS": words,
-            "WORDS_PAD": triton.next_power_of_2(words),
-            "DOT_PRECISION": "tf32x3" if query.dtype == torch.float32 else "tf32",
-            "num_warps": config.num_warps,
-            "num_stages": 1,
-        },
-        prefix_given=True,
-        ancestors=True,
-    )
-
-
 def pick_prefix_given_config(
     head_dim: int,
     group: int,
@@ -278,21 +192,20 @@ def pick_prefix_given_config(
     max_query_len: int,
     num_pairs: int = 1 << 20,
     num_sms: int = 132,
-    has_mask: bool = True,
-) -> TileConfig | AncestorConfig:
-    """Tiles for the tree keys when FlashAttention has taken the prefix (at most
-    budget + 1 keys per row, most of them hidden): small key tiles, one stage; the
-    ancestor-gathering kernel for wide trees, whose rows see few of the tree's keys.
-    From an H200 sweep (benchmarks/README.md, bench_tree_attention --split-sweep)."""
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    if has_mask and max_query_len > ANCESTORS_ABOVE:
-        return AncestorConfig(max(1, 512 // head_dim_pad), 16, 4)
-    if dtype == torch.float32 or head_dim_pad > 128:
+) -> TileConfig:
+    """Tiles for the tree keys alone, FlashAttention having taken the prefix: at most
+    budget + 1 keys, most of them hidden from a row, in one pass (one stage). From an
+    H200 sweep (``bench_tree_attention.py --split-sweep``, benchmarks/README.md):
+    32 rows x 32 keys when at most a quarter of the SMs get a (request, KV head); 64
+    rows beyond, with 16-key tiles for trees over 32 rows (more hidden tiles skipped).
+    16-bit, head_dim <= 128; otherwise pick_tile_config's."""
+    if dtype == torch.float32 or triton.next_power_of_2(head_dim) > 128:
         return pick_tile_config(head_dim, group, dtype, max_query_len, num_pairs, num_sms)
-    min_rows = max(16, triton.next_power_of_2(group))
+    min_rows = max(16, triton.next_power_of_2(group))  # at least one token per tile
     rows_pow2 = triton.next_power_of_2(max(1, max_query_len * group))
-    block_m = 32 if num_pairs <= num_sms // 4 else 64
-    return TileConfig(max(min_rows, min(block_m, rows_pow2)), 32, 4, 1)
+    if num_pairs <= num_sms // 4:
+        return TileConfig(max(min_rows, min(32, rows_pow2)), 32, 4, 1)
+    return TileConfig(max(min_rows, min(64, rows_pow2)), 16 if max_query_len > 32 else 32, 4, 1)
 
 
 def pick_tile_config(

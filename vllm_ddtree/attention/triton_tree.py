@@ -26,9 +26,8 @@ Kernel design (one program per query tile x KV head x KV split):
   attention over the prefix alone into ``out``, with its natural-log LSE. The kernel
   then starts its online softmax from that partial result (``m = lse * log2 e``,
   ``l = 1``, ``acc = o``) and attends to the tree keys only (at most budget + 1):
-  one more launch, and the prefix runs at FlashAttention's speed. Trees wider than
-  ``ANCESTORS_ABOVE`` rows take ancestor_triton.py's kernel for that part instead,
-  which gathers only the keys each row sees (pick_prefix_given_config).
+  one more launch, and the prefix runs at FlashAttention's speed. With at most
+  budget + 1 keys left, its tiles are small (pick_prefix_given_config).
 """
 
 from __future__ import annotations
@@ -37,9 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.attention.ancestor_triton import ancestor_attention_kernel
 from vllm_ddtree.attention.tree_attention_plan import (
-    AncestorConfig,
     TileConfig,
     TreeAttentionPlan,
     choose_num_splits,
@@ -49,7 +46,6 @@ from vllm_ddtree.attention.tree_attention_plan import (
 )
 
 __all__ = [
-    "AncestorConfig",
     "TileConfig",
     "TreeAttentionPlan",
     "choose_num_splits",
@@ -76,7 +72,7 @@ def tree_attention_triton(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    config: TileConfig | AncestorConfig | None = None,
+    config: TileConfig | None = None,
     prefix_lse: torch.Tensor | None = None,  # [num_heads, >= num_tokens] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton twin of ``tree_attention_reference``; the extra keywords are optional.
@@ -131,13 +127,6 @@ def launch_tree_attention(
     part_lse = plan.part_lse if plan.part_lse is not None else out
     if prefix_lse is not None:
         _check_prefix_lse(prefix_lse, query)
-    if plan.ancestors:
-        ancestor_attention_kernel[plan.grid](
-            out, prefix_lse, query, key_cache, value_cache, *plan.step_args,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            *prefix_lse.stride(), *plan.stride_args, **plan.constexprs,
-        )
-        return out
     lse = prefix_lse if prefix_lse is not None else out  # unused without the prefix given
     lse_strides = prefix_lse.stride() if prefix_lse is not None else (0, 0)
     tree_attention_kernel[plan.grid](
