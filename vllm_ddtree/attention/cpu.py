@@ -2,8 +2,9 @@
 
 The platform kernel runs every row as usual (prefill, chunked prefill, plain
 decode); afterwards the verify rows of requests that carry a tree are
-recomputed with the torch reference under their ancestor masks. On the CPU
-this double work on a few verify rows is cheap next to the model's GEMMs.
+recomputed under their ancestor masks, all requests of the step in one batched
+torch pass (torch_tree.py). On the CPU this double work on a few verify rows is
+cheap next to the model's GEMMs.
 
 CPU_ATTN's cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
 per layer; within each (block, head) the first ``block_size * head_dim``
@@ -25,7 +26,10 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
-from vllm_ddtree.attention.reference import tree_attention_reference
+from vllm_ddtree.attention.torch_tree import (
+    plan_tree_attention_torch,
+    run_tree_attention_torch,
+)
 from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.compaction import SlotMoves, block_slot_moves
 
@@ -101,15 +105,21 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         self._check_tree_support(layer)
         key_cache, value_cache = split_kv_cache(kv_cache)
         reqs = tree.req_index  # rows and indices from the builder's prepare_for
-        result = tree_attention_reference(
-            query[tree.rows],
-            key_cache,
-            value_cache,
-            attn_metadata.block_table[reqs],
-            attn_metadata.seq_lens[reqs],
-            tree.rows_query_start_loc,
-            tree.tree_mask[reqs],
-            self.scale,
+        # One plan per step and metadata (a KV-cache group's layers share both).
+        plan_key = ("torch_tree", attn_metadata.block_table.data_ptr(),
+                    attn_metadata.seq_lens.data_ptr(), self.num_heads, key_cache.shape[1])
+        plan = tree.attention_plans.get(plan_key)
+        if plan is None:
+            plan = tree.attention_plans[plan_key] = plan_tree_attention_torch(
+                attn_metadata.block_table[reqs],
+                attn_metadata.seq_lens[reqs],
+                tree.rows_query_start_loc,
+                tree.tree_mask[reqs],
+                self.num_heads,
+                key_cache.shape[1],
+            )
+        result = run_tree_attention_torch(
+            plan, query[tree.rows], key_cache, value_cache, self.scale
         )
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         out[tree.rows] = result.to(out.dtype)

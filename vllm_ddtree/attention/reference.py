@@ -1,7 +1,8 @@
 """Tree attention in plain torch over vLLM's paged KV cache.
 
 This is the torch twin of the tree-attention kernel: the test oracle for the Triton
-kernel and the CPU path. It loops over requests for clarity, not speed.
+kernel and for the CPU backend's batched version (torch_tree.py). It loops over
+requests for clarity, not speed.
 
 KV-cache layout. ``key_cache`` and ``value_cache`` are (views of) shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``: the layout FlashAttention-style

@@ -1,0 +1,111 @@
+"""Tests for vllm_ddtree/attention/torch_tree.py (the CPU backend's batched verify
+rows) against the per-request torch reference and the per-branch causal oracle of
+test_attention_reference. Caches hold NaN wherever no request owns a slot, and block
+tables point at foreign blocks past each request's pages: padded key positions must
+never leak into a row."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from tests.test_attention_reference import (
+    assert_matches_branch_oracle,
+    make_paged_batch,
+    padded_tree_mask,
+    random_tree_parents,
+    run_reference,
+)
+from vllm_ddtree.attention import pack_tree_mask
+from vllm_ddtree.attention.torch_tree import (
+    plan_tree_attention_torch,
+    run_tree_attention_torch,
+    tree_attention_torch,
+)
+
+SCALE = 0.37
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def run_batched(batch, tree_mask, **kwargs) -> torch.Tensor:
+    return tree_attention_torch(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, tree_mask, SCALE, **kwargs,
+    )
+
+
+def random_case(budgets, prefix_lens, heads, dtype=torch.float32, seed=0, **options):
+    rng = random.Random(seed)
+    trees = [random_tree_parents(b + 1, 15, rng) for b in budgets]
+    batch = make_paged_batch([len(t) for t in trees], prefix_lens, heads, dtype, seed,
+                             **options)
+    return trees, batch, padded_tree_mask(trees, max(len(t) for t in trees) + 3, seed)
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 3)])
+@pytest.mark.parametrize("budget", [1, 7, 16, 63])
+def test_matches_reference_and_branch_oracle(budget: int, heads):
+    # Mixed widths (a plain decode row among trees), an empty prefix, a long one.
+    budgets = [budget, 0, max(1, budget // 2), budget]
+    trees, batch, mask = random_case(budgets, [0, 40, 5, 300], heads, seed=budget)
+    out = run_batched(batch, mask)
+    torch.testing.assert_close(out, run_reference(batch, mask), atol=1e-5, rtol=1e-5)
+    assert_matches_branch_oracle(batch, trees, out)
+    total = int(batch.query_start_loc[-1])
+    assert out[total:].eq(0).all()  # padding rows
+
+
+def test_chunks_give_the_same_rows():
+    """Requests split into chunks (a score budget of one request at a time, then
+    two) give exactly the rows of one chunk."""
+    _, batch, mask = random_case([16, 3, 16, 9, 1], [17, 90, 0, 33, 200], (8, 2), seed=5)
+    whole = run_batched(batch, mask)
+    for max_scores in (1, 8 * 17 * 230 * 2):
+        torch.testing.assert_close(run_batched(batch, mask, max_scores=max_scores), whole,
+                                   atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_mask_causal_rows_and_strided_caches(dtype: torch.dtype):
+    _, batch, mask = random_case([15, 4], [21, 64], (8, 2), dtype, seed=7,
+                                 flash_layout=True, page_size=8)
+    expected = run_reference(batch, mask)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(run_batched(batch, pack_tree_mask(mask)), expected,
+                               atol=tol, rtol=tol)
+    torch.testing.assert_close(run_batched(batch, None), run_reference(batch, None),
+                               atol=tol, rtol=tol)
+
+
+def test_no_requests_and_requests_without_rows():
+    _, batch, mask = random_case([4, 2], [10, 3], (4, 4), seed=9)
+    batch.query_start_loc[2] = batch.query_start_loc[1]  # request 1 sends no rows
+    out = run_batched(batch, mask)
+    torch.testing.assert_close(out, run_reference(batch, mask), atol=1e-5, rtol=1e-5)
+    empty = tree_attention_torch(batch.query, batch.key_cache, batch.value_cache,
+                                 batch.block_table[:0], batch.seq_lens[:0],
+                                 batch.query_start_loc[:1], None, SCALE)
+    assert empty.eq(0).all()
+
+
+def test_one_plan_serves_every_layer():
+    """A step's plan (made from its metadata alone) runs each layer's own queries and
+    caches: every output equals that layer's reference."""
+    _, first, mask = random_case([16, 5], [30, 7], (8, 2), seed=11)
+    gen = torch.Generator().manual_seed(12)
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:  # new values, NaN where no request owns
+        return torch.where(t.isnan(), t, torch.randn(t.shape, generator=gen))
+
+    second = dataclasses.replace(first, query=torch.randn(first.query.shape, generator=gen),
+                                 key_cache=fresh(first.key_cache),
+                                 value_cache=fresh(first.value_cache))
+    plan = plan_tree_attention_torch(first.block_table, first.seq_lens,
+                                     first.query_start_loc, mask, 8, first.key_cache.shape[1])
+    for batch in (first, second):
+        out = run_tree_attention_torch(plan, batch.query, batch.key_cache,
+                                       batch.value_cache, SCALE)
+        torch.testing.assert_close(out, run_reference(batch, mask), atol=1e-5, rtol=1e-5)
