@@ -26,11 +26,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
+from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.attention.torch_tree import (
     plan_tree_attention_torch,
     run_tree_attention_torch,
 )
-from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.compaction import SlotMoves, block_slot_moves
 
 # Cache interiors this module knows how to read (see the module docstring).
