@@ -13,7 +13,9 @@ paged KV with 16-token pages). Timed, as CUDA-graph replays (median):
          is checked against the tree kernel's;
 - sdpa:  torch SDPA, flash backend, contiguous K/V, non-causal (torch's flash causal
          mask is top-left aligned, which would skip the prefix); GQA via enable_gqa.
-Prints a table and writes JSON (--out).
+Prints a table and writes JSON (--out). ``--sweep`` also times other tile configs of
+the tree kernel; ``--split-sweep`` instead times only the split, its tree pass under
+each of SPLIT_SWEEP_TILES, on SPLIT_SWEEP_SHAPES.
 
     python benchmarks/bench_tree_attention.py --fa3-so build/fa3/_vllm_fa3_C.abi3.so.xz
 """
