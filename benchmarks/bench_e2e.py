@@ -73,7 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timed generations per row; tokens/s from the median time")
     p.add_argument("--jit-monitor-verbose", action="store_true",
                    help="vLLM logs every Triton JIT compile during inference")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, metavar="STEM",
+                   help="write STEM.json and STEM.png (a .json or .png ending is "
+                        "dropped); default benchmarks/results/e2e_<device-name>")
     p.add_argument("--render", type=Path, default=None, metavar="JSON",
                    help="print the table of an earlier run's JSON and write its plot "
                         "beside it; runs nothing")
@@ -307,6 +309,13 @@ def render(path: Path) -> dict:
     return results
 
 
+def results_stem(args: argparse.Namespace) -> Path:
+    """--out without a .json/.png ending (it names both files), or the default."""
+    if args.out is None:
+        return RESULTS / f"e2e_{args.device_name}{'_quick' if args.quick else ''}"
+    return args.out.with_suffix("") if args.out.suffix in (".json", ".png") else args.out
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.render:
@@ -317,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, list[dict]] = {}
     engines: dict[str, dict] = {}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = args.out or RESULTS / f"e2e_{args.device_name}{'_quick' if args.quick else ''}"
+    stem = results_stem(args)
     for name, config in methods(args, drafter):
         print(f"[bench] {name} ...", flush=True)
         start = time.perf_counter()

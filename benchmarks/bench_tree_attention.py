@@ -60,8 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split-sweep", action="store_true",
                    help="time tile configs for the tree pass of the split (needs --fa3-so)")
     p.add_argument("--rep-ms", type=int, default=30)
-    p.add_argument("--out", default="benchmarks/results/tree_attention_h200.json")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None,
+                   help="JSON file; default benchmarks/results/tree_attention_h200.json, "
+                        "or tree_attention_split_sweep_h200.json with --split-sweep")
+    args = p.parse_args(argv)
+    if args.out is None:
+        name = "tree_attention_split_sweep_h200" if args.split_sweep else "tree_attention_h200"
+        args.out = f"benchmarks/results/{name}.json"
+    return args
 
 
 def load_fa3(path: str | None):
@@ -212,26 +218,35 @@ def run_case(case: Case, budget: int, fa3, args, results: list[dict]) -> None:
     print(format_row(row), flush=True)
 
 
-def time_split(case: Case, q, seq_lens, cu_q, packed, n: int, seq: int, fa3, tree_out,
-               args, row: dict) -> None:
-    """FA3 over the prefixes, then the tree kernel over the trees (prefix given)."""
+def split_call(case: Case, q, seq_lens, cu_q, packed, n: int, seq: int, fa3, out,
+               config=None):
+    """What the FLASH_ATTN backend runs, as one callable: FA3 over the prefixes alone
+    into ``out``, then the tree kernel (``config``, or its own pick) over the trees."""
     from vllm_ddtree.attention.triton_tree import (
         launch_tree_attention,
         plan_tree_attention,
     )
 
-    split_out = torch.empty_like(q)
     prefix_lens = seq_lens - n
     plan = plan_tree_attention(
         q, case.key_cache, case.value_cache, case.block_table, seq_lens, cu_q, packed,
-        case.scale, max_query_len=n, max_seq_len=seq, out=split_out, prefix_given=True,
+        case.scale, max_query_len=n, max_seq_len=seq, out=out, prefix_given=True,
+        config=config,
     )
 
     def split():
-        _, lse = fa3_call(fa3, q, case.key_cache, case.value_cache, split_out, cu_q,
+        _, lse = fa3_call(fa3, q, case.key_cache, case.value_cache, out, cu_q,
                           prefix_lens, case.block_table, n, seq, case.scale, causal=False)
-        launch_tree_attention(plan, q, case.key_cache, case.value_cache, split_out, lse)
+        launch_tree_attention(plan, q, case.key_cache, case.value_cache, out, lse)
 
+    return split
+
+
+def time_split(case: Case, q, seq_lens, cu_q, packed, n: int, seq: int, fa3, tree_out,
+               args, row: dict) -> None:
+    """FA3 over the prefixes, then the tree kernel over the trees (prefix given)."""
+    split_out = torch.empty_like(q)
+    split = split_call(case, q, seq_lens, cu_q, packed, n, seq, fa3, split_out)
     split()
     row["split_max_diff"] = (split_out.float() - tree_out.float()).abs().max().item()
     row["split_ms"] = bench(split, args.rep_ms)
@@ -341,12 +356,7 @@ def split_sweep(args, fa3) -> list[dict]:
     """The split's tree pass under other tile configs: FA3 over the prefixes alone, FA3
     dense causal, and prefix + tree pass per config (output checked against the tree
     kernel alone)."""
-    from vllm_ddtree.attention.triton_tree import (
-        TileConfig,
-        launch_tree_attention,
-        plan_tree_attention,
-        tree_attention_triton,
-    )
+    from vllm_ddtree.attention.triton_tree import TileConfig, tree_attention_triton
 
     rows = []
     for context, batch, budget in SPLIT_SWEEP_SHAPES:
@@ -358,11 +368,10 @@ def split_sweep(args, fa3) -> list[dict]:
             q, case.key_cache, case.value_cache, case.block_table, seq_lens, cu_q, packed,
             case.scale, max_query_len=n, max_seq_len=seq,
         )
-        prefix_lens = seq_lens - n
         out = torch.empty_like(q)
         fa_out = torch.empty_like(q)
         prefix = functools.partial(
-            fa3_call, fa3, q, case.key_cache, case.value_cache, out, cu_q, prefix_lens,
+            fa3_call, fa3, q, case.key_cache, case.value_cache, out, cu_q, seq_lens - n,
             case.block_table, n, seq, case.scale, causal=False)
         dense = functools.partial(
             fa3_call, fa3, q, case.key_cache, case.value_cache, fa_out, cu_q, seq_lens,
@@ -370,22 +379,9 @@ def split_sweep(args, fa3) -> list[dict]:
         row = {"context": context, "batch": batch, "budget": budget,
                "prefix_ms": bench(prefix, args.rep_ms), "fa3_ms": bench(dense, args.rep_ms),
                "configs": []}
-        configs = [None] + [TileConfig(*c) for c in SPLIT_SWEEP_TILES]
-        for cfg in configs:
-            plan = plan_tree_attention(
-                q, case.key_cache, case.value_cache, case.block_table, seq_lens, cu_q,
-                packed, case.scale, max_query_len=n, max_seq_len=seq, out=out,
-                prefix_given=True, config=cfg,
-            )
-
-            tree_pass = functools.partial(
-                launch_tree_attention, plan, q, case.key_cache, case.value_cache, out)
-
-            def split(prefix=prefix, tree_pass=tree_pass):
-                _, lse = prefix()
-                tree_pass(lse)
-
+        for cfg in [None] + [TileConfig(*c) for c in SPLIT_SWEEP_TILES]:
             try:
+                split = split_call(case, q, seq_lens, cu_q, packed, n, seq, fa3, out, cfg)
                 split()
                 ms = bench(split, args.rep_ms)
             except Exception as exc:  # noqa: BLE001
@@ -393,7 +389,7 @@ def split_sweep(args, fa3) -> list[dict]:
                 continue
             diff = (out.float() - ref.float()).abs().max().item()
             print(f"  {cfg}: {ms:.4f} ms", flush=True)
-            name = "default" if cfg is None else f"{type(cfg).__name__}{tuple(cfg.__dict__.values())}"
+            name = "default" if cfg is None else list(cfg.__dict__.values())
             row["configs"].append({"config": name, "split_ms": ms, "max_diff": diff})
         best = min(row["configs"], key=lambda c: c["split_ms"])
         default = row["configs"][0]

@@ -168,3 +168,12 @@ def test_scheduling_options_set_each_engines_runner_and_scheduling(tmp_path, mon
     assert made["ddtree-b16-k4-async"]["async_scheduling"] is True
     assert all(m["speculative_config"]["ddtree_budget"] == 16
                for n, m in made.items() if n.startswith("ddtree"))
+
+
+def test_out_ending_in_json_names_the_file_not_a_stem(tmp_path, monkeypatch):
+    drafter = fake_engines(tmp_path, monkeypatch)
+    out = tmp_path / "named.json"
+    bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods", "plain",
+                "--max-tokens", "4", "--out", str(out)])
+    assert json.loads(out.read_text())["results"].keys() == {"plain"}
+    assert not (tmp_path / "named.json.json").exists()

@@ -4,8 +4,7 @@ Same signature and semantics as ``tree_attention_reference`` (reference.py: cach
 layout, verify rows, masks), which stays the readable oracle and loops over requests.
 This version pads the requests of a chunk to the chunk's longest sequence and its
 widest tree and attends them all in one pair of batched matmuls, so a verify step
-costs a few large tensor ops per layer instead of a few small ones per request (on a
-2-core CPU at batch 8 the per-request loop took 30% of a DDTree step).
+costs a few large tensor ops per layer instead of a few small ones per request.
 
 Padded key positions (past a request's ``seq_len``) read whatever block the table
 holds there; their K and V are zeroed and their scores masked, so neither garbage nor
