@@ -33,6 +33,7 @@ LOG2_E = 1.4426950408889634
 MIN_SPLIT_KEYS = 256  # a KV split shorter than this costs more to merge than it saves
 MAX_SPLITS = 64
 WAVES = 2  # split until about this many programs per SM
+MAX_PRELOADED_WORDS = 4096  # a program's mask words held at once (preload_mask_words)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ def plan_tree_attention(
         part_lse = torch.empty(
             num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device
         )
+    mask_words = preload_mask_words(mask, config)
     mask_arg = mask if mask is not None else seq_lens  # unused without a mask
     mask_strides = mask.stride()[:2] if mask is not None else (0, 0)
     return TreeAttentionPlan(
@@ -177,12 +179,24 @@ def plan_tree_attention(
             "HAS_MASK": mask is not None,
             "SPLIT": num_splits > 1,
             "PREFIX_GIVEN": prefix_given,
+            "MASK_WORDS": mask_words,
+            "TILE_BITS": -1 if config.block_n == BITS_PER_WORD else (1 << config.block_n) - 1,
             "DOT_PRECISION": "tf32x3" if query.dtype == torch.float32 else "tf32",
             "num_warps": config.num_warps,
             "num_stages": config.num_stages,
         },
         prefix_given=prefix_given,
     )
+
+
+def preload_mask_words(mask: torch.Tensor | None, config: TileConfig) -> int:
+    """Mask words per row a program loads once, before its key tiles (0: it loads a
+    word per key inside each tile instead): when a key tile lies within one word and
+    the tile's rows x words stay small."""
+    if mask is None or config.block_n > BITS_PER_WORD:
+        return 0
+    words = triton.next_power_of_2(-(-mask.shape[1] // BITS_PER_WORD))
+    return words if config.block_m * words <= MAX_PRELOADED_WORDS else 0
 
 
 def pick_prefix_given_config(

@@ -241,6 +241,8 @@ def tree_attention_kernel(
     HAS_MASK: tl.constexpr,
     SPLIT: tl.constexpr,
     PREFIX_GIVEN: tl.constexpr,  # out holds the prefix's attention, its LSE given
+    MASK_WORDS: tl.constexpr,  # > 0: a tile row's mask words, loaded once (pow2)
+    TILE_BITS: tl.constexpr,  # (1 << BLOCK_N) - 1 as int32 (BLOCK_N <= 32; MASK_WORDS)
     DOT_PRECISION: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
@@ -335,20 +337,39 @@ def tree_attention_kernel(
 
     # Tree: verify tokens j = 0 .. num_queries - 1, tiles dealt round-robin to splits.
     request_mask = mask_ptr + req.to(tl.int64) * mask_stride_r
+    if MASK_WORDS > 0:
+        # Key tiles within one mask word: the rows' whole mask rows come in one load,
+        # and their OR says which tiles any row sees, with no load inside the loop.
+        word_idx = tl.arange(0, MASK_WORDS)
+        row_words = tl.load(
+            request_mask + qi[:, None] * mask_stride_q + word_idx[None, :],
+            mask=row_ok[:, None] & (word_idx[None, :] < tl.cdiv(num_queries, 32)),
+            other=0,
+        )
+        seen_words = tl.reduce(row_words, 0, _bit_or)  # [MASK_WORDS]
     for tile in range(split, tl.cdiv(num_queries, BLOCK_N), num_splits):
         j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         j_ok = j < num_queries
         both_ok = row_ok[:, None] & j_ok[None, :]
-        if HAS_MASK:
-            words = tl.load(
-                request_mask + qi[:, None] * mask_stride_q + (j[None, :] >> 5),
-                mask=both_ok,
-                other=0,
-            )
-            visible = both_ok & (((words >> (j[None, :] & 31)) & 1) != 0)
+        if MASK_WORDS > 0:
+            tile_word = (tile * BLOCK_N) // 32
+            words = tl.sum(tl.where(word_idx[None, :] == tile_word, row_words, 0), 1)
+            visible = both_ok & (((words[:, None] >> (j[None, :] & 31)) & 1) != 0)
+            seen = tl.sum(tl.where(word_idx == tile_word, seen_words, 0), 0)
+            seen = (seen >> ((tile * BLOCK_N) & 31)) & TILE_BITS
+            attend = seen != 0
         else:
-            visible = both_ok & (j[None, :] <= qi[:, None])
-        if tl.sum(tl.sum(visible.to(tl.int32), 1), 0) > 0:
+            if HAS_MASK:
+                words = tl.load(
+                    request_mask + qi[:, None] * mask_stride_q + (j[None, :] >> 5),
+                    mask=both_ok,
+                    other=0,
+                )
+                visible = both_ok & (((words >> (j[None, :] & 31)) & 1) != 0)
+            else:
+                visible = both_ok & (j[None, :] <= qi[:, None])
+            attend = tl.sum(tl.sum(visible.to(tl.int32), 1), 0) > 0
+        if attend:
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, prefix_len + j, j_ok, visible, kv_head, qk_scale,
                 key_cache_ptr, value_cache_ptr, block_table_row,
@@ -369,6 +390,11 @@ def tree_attention_kernel(
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
     else:
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
 
 
 @triton.jit
