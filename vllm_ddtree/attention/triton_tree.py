@@ -11,12 +11,9 @@ Kernel design (one program per query tile x KV head x KV split):
   one KV head into ``BLOCK_M`` rows, so each K/V tile loaded from the cache feeds the
   whole GQA group through one ``tl.dot``.
 - Keys ``[0, prefix)`` need no mask: full ``BLOCK_N`` tiles run unmasked, only the last
-  partial tile is bounded. Keys ``[prefix, seq_len)`` are the tree: a tile no row can
-  see (the upper triangle of a tree whose parents precede their children, and most of
-  the rest: a row sees only its ancestors) is skipped before any K/V load. With key
-  tiles of at most 32 keys (one mask word), a program loads its rows' mask words once,
-  walks only the tiles their OR marks, and loads the next such tile's K and V before
-  attending to the current one; wider tiles read their rows' words tile by tile.
+  partial tile is bounded. Keys ``[prefix, seq_len)`` are the tree: a tile reads the
+  mask words of its rows, and a tile no row can see (the upper triangle of a tree whose
+  parents precede their children) is skipped before any K/V load.
 - Online softmax in float32 with ``exp2``; scale * log2(e) rides in the exp2's FFMA.
 - Split-KV (flash-decoding): when requests x KV heads x query tiles cannot fill the SMs
   (batch 1, long prefix), each request's prefix is cut into ``num_splits`` chunks and its
@@ -340,11 +337,9 @@ def tree_attention_kernel(
 
     # Tree: verify tokens j = 0 .. num_queries - 1, tiles dealt round-robin to splits.
     request_mask = mask_ptr + req.to(tl.int64) * mask_stride_r
-    num_tiles = tl.cdiv(num_queries, BLOCK_N)
     if MASK_WORDS > 0:
         # Key tiles within one mask word: the rows' whole mask rows come in one load,
-        # and their OR says which tiles any row sees. The loop visits only those, and
-        # loads the next one's K and V before attending to the current one.
+        # and their OR says which tiles any row sees, with no load inside the loop.
         word_idx = tl.arange(0, MASK_WORDS)
         row_words = tl.load(
             request_mask + qi[:, None] * mask_stride_q + word_idx[None, :],
@@ -352,42 +347,18 @@ def tree_attention_kernel(
             other=0,
         )
         seen_words = tl.reduce(row_words, 0, _bit_or)  # [MASK_WORDS]
-        tile = _next_seen_tile(seen_words, word_idx, split, num_tiles, num_splits,
-                               BLOCK_N, TILE_BITS)
-        k, v = _load_kv(
-            prefix_len + tile * BLOCK_N + tl.arange(0, BLOCK_N),
-            tile * BLOCK_N + tl.arange(0, BLOCK_N) < num_queries, kv_head,
-            key_cache_ptr, value_cache_ptr, block_table_row,
-            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
-            offs_d, d_ok, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True,
-        )
-        while tile < num_tiles:
-            after = _next_seen_tile(seen_words, word_idx, tile + num_splits, num_tiles,
-                                    num_splits, BLOCK_N, TILE_BITS)
-            j_after = after * BLOCK_N + tl.arange(0, BLOCK_N)
-            k_after, v_after = _load_kv(  # all masked once the tiles run out
-                prefix_len + j_after, j_after < num_queries, kv_head,
-                key_cache_ptr, value_cache_ptr, block_table_row,
-                k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
-                offs_d, d_ok, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True,
-            )
-            j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            words = tl.sum(tl.where(word_idx[None, :] == (tile * BLOCK_N) // 32, row_words, 0), 1)
-            visible = (
-                row_ok[:, None]
-                & (j < num_queries)[None, :]
-                & (((words[:, None] >> (j[None, :] & 31)) & 1) != 0)
-            )
-            acc, l_i, m_i = _softmax_tile(
-                acc, l_i, m_i, q, k, v, j < num_queries, visible, qk_scale,
-                True, True, DOT_PRECISION,
-            )
-            k, v, tile = k_after, v_after, after
-    else:
-        for tile in range(split, num_tiles, num_splits):
-            j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            j_ok = j < num_queries
-            both_ok = row_ok[:, None] & j_ok[None, :]
+    for tile in range(split, tl.cdiv(num_queries, BLOCK_N), num_splits):
+        j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        j_ok = j < num_queries
+        both_ok = row_ok[:, None] & j_ok[None, :]
+        if MASK_WORDS > 0:
+            tile_word = (tile * BLOCK_N) // 32
+            words = tl.sum(tl.where(word_idx[None, :] == tile_word, row_words, 0), 1)
+            visible = both_ok & (((words[:, None] >> (j[None, :] & 31)) & 1) != 0)
+            seen = tl.sum(tl.where(word_idx == tile_word, seen_words, 0), 0)
+            seen = (seen >> ((tile * BLOCK_N) & 31)) & TILE_BITS
+            attend = seen != 0
+        else:
             if HAS_MASK:
                 words = tl.load(
                     request_mask + qi[:, None] * mask_stride_q + (j[None, :] >> 5),
@@ -397,14 +368,15 @@ def tree_attention_kernel(
                 visible = both_ok & (((words >> (j[None, :] & 31)) & 1) != 0)
             else:
                 visible = both_ok & (j[None, :] <= qi[:, None])
-            if tl.sum(tl.sum(visible.to(tl.int32), 1), 0) > 0:
-                acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, prefix_len + j, j_ok, visible, kv_head, qk_scale,
-                    key_cache_ptr, value_cache_ptr, block_table_row,
-                    k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
-                    offs_d, d_ok,
-                    HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, True, DOT_PRECISION,
-                )
+            attend = tl.sum(tl.sum(visible.to(tl.int32), 1), 0) > 0
+        if attend:
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, prefix_len + j, j_ok, visible, kv_head, qk_scale,
+                key_cache_ptr, value_cache_ptr, block_table_row,
+            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+            offs_d, d_ok,
+                HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, True, DOT_PRECISION,
+            )
 
     store_ok = row_ok[:, None] & d_ok[None, :]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -423,31 +395,6 @@ def tree_attention_kernel(
 @triton.jit
 def _bit_or(a, b):
     return a | b
-
-
-@triton.jit
-def _next_seen_tile(
-    seen_words,  # [MASK_WORDS] int32: bit j set when some row of the tile sees key j
-    word_idx,  # [MASK_WORDS] 0, 1, ...
-    tile,  # first candidate
-    num_tiles,
-    step,
-    BLOCK_N: tl.constexpr,
-    TILE_BITS: tl.constexpr,
-):
-    """The first tile >= ``tile`` on the ``step`` grid that some row sees, or one
-    >= ``num_tiles`` when none is left."""
-    bits = _tile_bits(seen_words, word_idx, tile, BLOCK_N, TILE_BITS)
-    while (tile < num_tiles) & (bits == 0):
-        tile += step
-        bits = _tile_bits(seen_words, word_idx, tile, BLOCK_N, TILE_BITS)
-    return tile
-
-
-@triton.jit
-def _tile_bits(seen_words, word_idx, tile, BLOCK_N: tl.constexpr, TILE_BITS: tl.constexpr):
-    word = tl.sum(tl.where(word_idx == (tile * BLOCK_N) // 32, seen_words, 0), 0)
-    return (word >> ((tile * BLOCK_N) & 31)) & TILE_BITS
 
 
 @triton.jit
@@ -480,40 +427,6 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over a tile of keys: s = q k^T, rescale, acc += p v."""
-    k, v = _load_kv(
-        keys, key_ok, kv_head, key_cache_ptr, value_cache_ptr, block_table_row,
-        k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
-        offs_d, d_ok, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, MASK_KEYS,
-    )
-    return _softmax_tile(
-        acc, l_i, m_i, q, k, v, key_ok, visible, qk_scale, MASK_KEYS, USE_VISIBLE,
-        DOT_PRECISION,
-    )
-
-
-@triton.jit
-def _load_kv(
-    keys,  # [BLOCK_N] positions in the request
-    key_ok,  # [BLOCK_N] (MASK_KEYS)
-    kv_head,
-    key_cache_ptr,
-    value_cache_ptr,
-    block_table_row,
-    k_stride_b,
-    k_stride_s,
-    k_stride_h,
-    v_stride_b,
-    v_stride_s,
-    v_stride_h,
-    offs_d,
-    d_ok,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    MASK_KEYS: tl.constexpr,
-):
-    """K^T [HEAD_DIM_PAD, BLOCK_N] and V [BLOCK_N, HEAD_DIM_PAD] of a tile of keys
-    from the paged cache (zeros where a key is masked)."""
     if MASK_KEYS:
         block = tl.load(block_table_row + keys // PAGE_SIZE, mask=key_ok, other=0)
     else:
@@ -533,24 +446,7 @@ def _load_kv(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    return k, v
 
-
-@triton.jit
-def _softmax_tile(
-    acc,  # [BLOCK_M, HEAD_DIM_PAD] float32
-    l_i,  # [BLOCK_M] float32
-    m_i,  # [BLOCK_M] float32, log2 units
-    q,  # [BLOCK_M, HEAD_DIM_PAD]
-    k,  # [HEAD_DIM_PAD, BLOCK_N]
-    v,  # [BLOCK_N, HEAD_DIM_PAD]
-    key_ok,  # [BLOCK_N] (MASK_KEYS)
-    visible,  # [BLOCK_M, BLOCK_N] (USE_VISIBLE)
-    qk_scale,
-    MASK_KEYS: tl.constexpr,
-    USE_VISIBLE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
     s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if USE_VISIBLE:
         s = tl.where(visible, s, float("-inf"))
