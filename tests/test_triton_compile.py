@@ -71,7 +71,7 @@ def tree_attention_sig(**constexprs) -> tuple[dict, dict]:
     fixed = {"NUM_KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128,
              "PAGE_SIZE": 16, "BLOCK_M": None, "BLOCK_N": None, "TOKENS_PER_TILE": None,
              "HAS_MASK": True, "SPLIT": None, "PREFIX_GIVEN": None, "MASK_WORDS": None,
-             "TILE_BITS": None, "DOT_PRECISION": "tf32", "PDL": False}
+             "TILE_BITS": None, "DOT_PRECISION": "tf32"}
     return sig(*TREE_ATTENTION, **{k: constexprs.get(k, v) for k, v in fixed.items()})
 
 
@@ -80,7 +80,7 @@ CASES = {
     # (mask rows preloaded), and B=16 over prefix and tree with KV splits.
     "tree_attention_prefix_given": (tree_attention_kernel, tree_attention_sig(
         BLOCK_M=64, BLOCK_N=16, TOKENS_PER_TILE=16,
-        SPLIT=False, PREFIX_GIVEN=True, MASK_WORDS=16, TILE_BITS=0xFFFF, PDL=True)),
+        SPLIT=False, PREFIX_GIVEN=True, MASK_WORDS=16, TILE_BITS=0xFFFF)),
     "tree_attention_split": (tree_attention_kernel, tree_attention_sig(
         BLOCK_M=64, BLOCK_N=64, TOKENS_PER_TILE=16,
         SPLIT=True, PREFIX_GIVEN=False, MASK_WORDS=0, TILE_BITS=-1)),
@@ -140,24 +140,6 @@ def test_kernel_compiles_for_sm90(name: str):
         raise
     assert ".entry" in compiled.asm["ptx"]
     assert compiled.asm.get("cubin")  # ptxas ran
-
-
-def test_tree_attention_waits_for_the_kernel_before_it_when_launched_as_a_dependent():
-    """PDL=True (the prefix given, on Hopper): the grid may start before FlashAttention's
-    call ends, so the kernel must wait (griddepcontrol.wait) before its first load."""
-    kernel, (types, constexprs) = CASES["tree_attention_prefix_given"]
-    assert constexprs["PDL"] is True
-    try:
-        ptx = triton.compile(
-            ASTSource(fn=kernel, signature=types, constexprs=constexprs), target=H200
-        ).asm["ptx"]
-    except (FileNotFoundError, RuntimeError) as exc:
-        if "ptxas" in str(exc) and "not found" in str(exc).lower():
-            pytest.skip(f"no ptxas here: {exc}")
-        raise
-    body = ptx[ptx.index(".entry"):]
-    assert "griddepcontrol.wait" in body
-    assert body.index("griddepcontrol.wait") < body.index("ld.global")
 
 
 # ----------------------------------------------------------------------------------

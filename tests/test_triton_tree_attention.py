@@ -503,21 +503,6 @@ def test_prefix_given_takes_small_tiles():
     assert pick_prefix_given_config(128, 4, BF16, 17, 320, 132) == TileConfig(64, 32, 4, 1)
 
 
-def test_prefix_given_launches_as_a_dependent_on_hopper():
-    """With the prefix given, the kernel follows FlashAttention's call: on Hopper and
-    later it is launched as a programmatic dependent (and waits in the kernel for
-    FlashAttention's writes); elsewhere, and without the prefix given, plainly."""
-    batch = make_batch([17], [40], (8, 2), 64, BF16, seed=50)
-    mask = padded_tree_mask(random_trees([16], seed=50), 17, 50)
-    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-            batch.seq_lens, batch.query_start_loc, mask, SCALE)
-    hopper = DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] >= 9
-    given = plan_tree_attention(*args, prefix_given=True).constexprs
-    whole = plan_tree_attention(*args).constexprs
-    assert given["PDL"] is hopper and given.get("launch_pdl", False) is hopper
-    assert whole["PDL"] is False and "launch_pdl" not in whole
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefix_given_dtypes_and_causal_rows(dtype: torch.dtype):
     trees = random_trees([17, 3], seed=45)

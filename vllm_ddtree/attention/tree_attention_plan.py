@@ -27,7 +27,6 @@ __all__ = [
     "plan_signature",
     "plan_tree_attention",
     "sm_count",
-    "supports_pdl",
 ]
 
 LOG2_E = 1.4426950408889634
@@ -152,9 +151,6 @@ def plan_tree_attention(
             num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device
         )
     mask_words = preload_mask_words(mask, config)
-    # After FlashAttention's prefix call the launch may overlap its tail (the kernel
-    # waits for FlashAttention's writes before reading anything).
-    pdl = prefix_given and supports_pdl(query.device)
     mask_arg = mask if mask is not None else seq_lens  # unused without a mask
     mask_strides = mask.stride()[:2] if mask is not None else (0, 0)
     return TreeAttentionPlan(
@@ -186,10 +182,8 @@ def plan_tree_attention(
             "MASK_WORDS": mask_words,
             "TILE_BITS": -1 if config.block_n == BITS_PER_WORD else (1 << config.block_n) - 1,
             "DOT_PRECISION": "tf32x3" if query.dtype == torch.float32 else "tf32",
-            "PDL": pdl,
             "num_warps": config.num_warps,
             "num_stages": config.num_stages,
-            **({"launch_pdl": True} if pdl else {}),
         },
         prefix_given=prefix_given,
     )
@@ -270,16 +264,6 @@ def choose_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
         return 1
     want = triton.cdiv(WAVES * num_sms, programs)
     return max(1, min(want, max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
-
-
-def supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: a CUDA device of compute capability 9 or more
-    (Hopper on), not AMD's; never under Triton's interpreter (tensors on the CPU)."""
-    return (
-        device.type == "cuda"
-        and torch.version.hip is None
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
 
 
 def sm_count(device: torch.device) -> int:

@@ -21,9 +21,6 @@ Kernel design (one program per query tile x KV head x KV split):
   and ``merge_splits_kernel`` combines them.
 - Grid axis 0 is the query tile, so the tiles that read the same K/V run together and
   share it through L2.
-- Prefix given (``prefix_lse``) on Hopper and later, the grid is launched as a
-  programmatic dependent (PDL), so its launch overlaps the tail of the kernel before it;
-  it waits for that kernel's writes before its first load.
 - Prefix given (``prefix_lse``): another kernel (FlashAttention 3 on Hopper, whose
   prefix pass is faster than this kernel's) has already written each verify row's
   attention over the prefix alone into ``out``, with its natural-log LSE. The kernel
@@ -247,13 +244,7 @@ def tree_attention_kernel(
     MASK_WORDS: tl.constexpr,  # > 0: a tile row's mask words, loaded once (pow2)
     TILE_BITS: tl.constexpr,  # (1 << BLOCK_N) - 1 as int32 (BLOCK_N <= 32; MASK_WORDS)
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent (of FlashAttention's call)
 ):
-    if PDL:
-        # This grid may start while the kernel before it (FlashAttention over the
-        # prefix, which wrote out and prefix_lse) finishes: wait for it to complete
-        # and its writes to show before reading anything.
-        tl.extra.cuda.gdc_wait()
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1) % NUM_KV_HEADS
     split = tl.program_id(1) // NUM_KV_HEADS
