@@ -109,3 +109,80 @@ def test_one_plan_serves_every_layer():
         out = run_tree_attention_torch(plan, batch.query, batch.key_cache,
                                        batch.value_cache, SCALE)
         torch.testing.assert_close(out, run_reference(batch, mask), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------
+# The CPU backend around it: vLLM's kernel runs only for rows outside the trees
+# ----------------------------------------------------------------------------------
+
+
+def cpu_backend_step(query_lens: list[int], tree_rows: list[int], monkeypatch):
+    """One layer of DDTreeCPUAttentionImpl over requests with ``query_lens`` rows, of
+    which the last ``tree_rows[r]`` verify a causal tree (0: no tree). vLLM's kernel is
+    a stub that writes 7.0 and counts its calls. Returns (output, calls, reference of
+    the tree rows, flat tree rows)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_ddtree.attention.cpu import DDTreeCPUAttentionImpl, split_kv_cache
+    from vllm_ddtree.attention.reference import tree_attention_reference
+    from vllm_ddtree.attention.state import TreeAttentionInfo
+
+    calls = []
+
+    def parent_forward(self, layer, query, key, value, kv_cache, metadata, output, *a):
+        calls.append(metadata.num_actual_tokens)
+        return output.fill_(7.0)
+
+    monkeypatch.setattr(CPUAttentionBackendImpl, "forward", parent_forward)
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, page, prefix = 4, 2, 8, 4, 9
+    num_reqs = len(query_lens)
+    seq_lens = torch.tensor([prefix + n for n in query_lens], dtype=torch.int32)
+    pages = -(-int(seq_lens.max()) // page)
+    block_table = torch.arange(num_reqs * pages, dtype=torch.int32).view(num_reqs, pages)
+    kv_cache = torch.randn(num_reqs * pages, kv_heads, page, 2 * head_dim, generator=gen)
+    total = sum(query_lens)
+    query = torch.randn(total, heads, head_dim, generator=gen)
+    starts = torch.tensor([0, *query_lens]).cumsum(0)
+    width = max(max(tree_rows), 1)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    tree = TreeAttentionInfo(
+        tree_mask=causal.expand(num_reqs, width, width).contiguous(),
+        row_start=starts[1:] - torch.tensor(tree_rows),
+        num_rows=torch.tensor(tree_rows),
+        tree_reqs=[r for r, n in enumerate(tree_rows) if n],
+        all_rows_are_tree_rows=tree_rows == query_lens,
+    )
+    tree.prepare_for(torch.device("cpu"))
+    impl = object.__new__(DDTreeCPUAttentionImpl)
+    impl.num_heads, impl.head_size, impl.scale = heads, head_dim, 0.3
+    metadata = SimpleNamespace(tree=tree, num_actual_tokens=total, block_table=block_table,
+                               seq_lens=seq_lens)
+    output = torch.zeros(total, heads * head_dim)
+    impl.forward(SimpleNamespace(isa="vec"), query, None, None, kv_cache, metadata, output)
+    # The tree rows of each request alone, as the reference sees them.
+    reqs = tree.tree_reqs
+    rows = tree.rows
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    tree_seq = seq_lens[reqs] - torch.tensor(query_lens)[reqs] + torch.tensor(tree_rows)[reqs]
+    reference = tree_attention_reference(
+        query[rows], key_cache, value_cache, block_table[reqs], tree_seq.to(torch.int32),
+        tree.rows_query_start_loc, tree.tree_mask[reqs], 0.3,
+    )
+    return output.view(total, heads, head_dim), calls, reference, rows
+
+
+def test_cpu_backend_skips_vllms_kernel_when_every_row_is_a_tree_row(monkeypatch):
+    output, calls, reference, rows = cpu_backend_step([5, 3], [5, 3], monkeypatch)
+    assert calls == []  # the tree pass writes every row
+    torch.testing.assert_close(output[rows], reference, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_backend_runs_vllms_kernel_for_rows_outside_the_trees(monkeypatch):
+    # A prefill chunk of 6 rows next to a tree of 4 rows: only the tree's are redone.
+    output, calls, reference, rows = cpu_backend_step([6, 4], [0, 4], monkeypatch)
+    assert calls == [10]
+    assert output[:6].eq(7.0).all()
+    torch.testing.assert_close(output[rows], reference, atol=1e-5, rtol=1e-5)

@@ -1,10 +1,11 @@
 """Tree attention on vLLM's CPU backend (CPU_ATTN).
 
-The platform kernel runs every row as usual (prefill, chunked prefill, plain
-decode); afterwards the verify rows of requests that carry a tree are
-recomputed under their ancestor masks, all requests of the step in one batched
-torch pass (torch_tree.py). On the CPU this double work on a few verify rows is
-cheap next to the model's GEMMs.
+The verify rows of requests that carry a tree are computed under their ancestor
+masks, all requests of the step in one batched torch pass (torch_tree.py). When
+every row of the step is such a row (a decode step whose requests all carry
+drafts) that pass is all; otherwise the platform kernel first runs every row as
+usual (prefill, chunked prefill, plain decode) and the tree rows are then
+overwritten, double work on a few rows that is cheap next to the model's GEMMs.
 
 CPU_ATTN's cache is ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
 per layer; within each (block, head) the first ``block_size * head_dim``
@@ -95,14 +96,21 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        output = super().forward(
-            layer, query, key, value, kv_cache, attn_metadata, output,
-            output_scale, output_block_scale,
-        )
         tree = getattr(attn_metadata, "tree", None)
         if tree is None:
-            return output
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )
         self._check_tree_support(layer)
+        if tree.rows.shape[0] != attn_metadata.num_actual_tokens:
+            # Rows outside the trees (a prefill chunk, a decode without drafts) take
+            # vLLM's kernel; it runs over every row, and the tree rows are then
+            # overwritten. When every row is a tree row it is skipped.
+            super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )
         key_cache, value_cache = split_kv_cache(kv_cache)
         reqs = tree.req_index  # rows and indices from the builder's prepare_for
         # One plan per step and metadata (a KV-cache group's layers share both).
