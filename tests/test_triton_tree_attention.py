@@ -498,6 +498,12 @@ def test_prefix_given_takes_small_tiles():
         assert (plan.constexprs["BLOCK_M"], plan.constexprs["BLOCK_N"]) == (
             picked.block_m, picked.block_n)
         assert picked.block_n <= 32 and picked.num_stages == 1
+        assert plan.constexprs["MASK_WORDS"] == 4  # 65 keys: 3 words, loaded once
+    whole = plan_tree_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, mask, SCALE, config=TileConfig(128, 128, 8, 3),
+    )
+    assert whole.constexprs["MASK_WORDS"] == 0  # 128-key tiles span words: read per tile
     assert pick_prefix_given_config(128, 4, BF16, 65, 8, 132) == TileConfig(32, 32, 4, 1)
     assert pick_prefix_given_config(128, 4, BF16, 65, 320, 132) == TileConfig(64, 16, 4, 1)
     assert pick_prefix_given_config(128, 4, BF16, 17, 320, 132) == TileConfig(64, 32, 4, 1)

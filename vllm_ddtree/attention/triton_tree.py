@@ -11,9 +11,12 @@ Kernel design (one program per query tile x KV head x KV split):
   one KV head into ``BLOCK_M`` rows, so each K/V tile loaded from the cache feeds the
   whole GQA group through one ``tl.dot``.
 - Keys ``[0, prefix)`` need no mask: full ``BLOCK_N`` tiles run unmasked, only the last
-  partial tile is bounded. Keys ``[prefix, seq_len)`` are the tree: a tile reads the
-  mask words of its rows, and a tile no row can see (the upper triangle of a tree whose
-  parents precede their children) is skipped before any K/V load.
+  partial tile is bounded. Keys ``[prefix, seq_len)`` are the tree: a tile no row can
+  see (the upper triangle of a tree whose parents precede their children, and most of
+  the rest, as a row sees only its ancestors) is skipped before any K/V load. With key
+  tiles of at most 32 keys (one mask word each: the prefix-given tiles) a program loads
+  its rows' mask words once and decides each tile from registers; wider tiles read
+  their rows' words tile by tile.
 - Online softmax in float32 with ``exp2``; scale * log2(e) rides in the exp2's FFMA.
 - Split-KV (flash-decoding): when requests x KV heads x query tiles cannot fill the SMs
   (batch 1, long prefix), each request's prefix is cut into ``num_splits`` chunks and its
