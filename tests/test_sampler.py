@@ -12,6 +12,7 @@ from vllm_ddtree import sampler
 from vllm_ddtree.sampler import (
     TreeVerifyStep,
     chain_trees,
+    inverse_cdf_sample,
     sample_node_tokens,
     select_trees,
     step_rows,
@@ -162,21 +163,44 @@ def _seeded_trimmed_batch(device: str, seed: int):
     return logits, rows, sampling
 
 
-def test_seeded_request_draws_one_row_per_node_column():
-    """Node j of a seeded request races its probabilities against row j of one
-    [nodes, vocab] draw from its generator; the columns past its nodes repeat its last
-    node's token. The draw's size is the request's own (3 nodes here), not the batch's
-    width (5), so its stream does not depend on the other requests."""
+def first_above(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF oracle: how many prefix sums stay at or below u times the total."""
+    cdf = probs.cumsum(0)
+    return int((cdf <= u * cdf[-1]).sum())
+
+
+def test_seeded_request_draws_one_uniform_per_node_column():
+    """Node j of a seeded request takes the j-th of ``count`` uniforms from its
+    generator and the inverse CDF of its probabilities; the columns past its nodes
+    repeat its last node's token. The draw's size is the request's own (3 nodes here),
+    not the batch's width (5), so its stream does not depend on the other requests."""
     logits, rows, sampling = _seeded_trimmed_batch("cpu", seed=5)
     tokens = sample_node_tokens(logits, rows, sampling, [3, 5])
     gen = torch.Generator().manual_seed(5)
-    draws = torch.empty(3, 64).exponential_(generator=gen)
+    uniforms = torch.rand(3, generator=gen)
     probs = logits[:3].softmax(-1)
-    want = [int((probs[min(j, 2)] / draws[min(j, 2)]).argmax()) for j in range(5)]
+    want = [first_above(probs[min(j, 2)], float(uniforms[min(j, 2)])) for j in range(5)]
     assert tokens[0].tolist() == want
     assert torch.equal(gen.get_state(), sampling.generators[0].get_state())
     again = sample_node_tokens(*_seeded_trimmed_batch("cpu", seed=5), [3, 5])
     assert torch.equal(again, tokens)
+
+
+def test_inverse_cdf_sample_follows_the_distribution_and_skips_zeros():
+    """Many rows of one distribution (two tokens masked to zero, one tiny): the
+    frequencies match it within five standard errors, and no zero-probability token
+    is drawn, not even at u = 0 or u just below 1."""
+    probs = torch.tensor([0.0, 0.3, 0.0, 0.1, 1e-6, 0.25, 0.35, 0.0])
+    n = 200_000
+    uniforms = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    uniforms[:2] = torch.tensor([0.0, 1.0 - 2.0**-24])
+    tokens = inverse_cdf_sample(probs.expand(n, -1).contiguous(), uniforms)
+    counts = torch.bincount(tokens, minlength=8).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs.double() / probs.sum() * n
+    stderr = (expected * (1 - probs.double() / probs.sum())).sqrt()
+    assert ((counts - expected).abs() <= 5 * stderr + 1).all(), (counts, expected)
+    assert tokens[0] == 1 and tokens[1] == 6  # the first and last tokens that can be drawn
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -216,7 +240,7 @@ def test_all_random_batch_skips_the_greedy_argmax(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "argmax", counting_argmax)
     assert torch.equal(draw(True), want)
-    assert argmaxes == [(6, 50)]  # the exponential race's only
+    assert argmaxes == []  # the inverse CDF takes no argmax
 
 
 def test_tree_verify_step_is_a_plain_record():
