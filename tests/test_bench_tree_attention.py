@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import bench_tree_attention as bench  # noqa: E402
+import bench_tree_attention as bench
 
 
 def test_split_sweep_writes_its_own_file_unless_told():
