@@ -371,7 +371,7 @@ def sample_node_tokens(
     probs = scaled.softmax(dim=-1, dtype=torch.float32)
     # One uniform per node, then the inverse CDF: a row's whole vocabulary is scanned
     # once (cumsum) instead of raced against as many random numbers (an exponential
-    # race), which on a CPU cost more than ten times as much.
+    # race), whose generation dominated the sampler on a CPU.
     uniforms = torch.rand(probs.shape[0], device=probs.device)
     # A seeded request draws one uniform per node from its own generator, so its stream
     # depends on its own tree only. Its nodes are the first num_nodes[req] columns
