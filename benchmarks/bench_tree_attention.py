@@ -3,8 +3,8 @@
 For every (context, batch, budget): each request has a prefix of `context` tokens and
 budget + 1 verify queries (Qwen3-8B heads: 32 query / 8 KV heads, head_dim 128, bf16,
 paged KV with 16-token pages). Timed, as CUDA-graph replays (median):
-- tree:  vllm_ddtree.attention.triton_tree.tree_attention_triton, random DDTree-like
-         trees (depth <= 15), packed masks;
+- tree:  vllm_ddtree.attention.triton_tree.tree_attention_triton, random trees
+         (depth <= 15) in build_ddtree's preorder layout (--tree-layout), packed masks;
 - fa3:   FlashAttention 3 from vLLM's wheel (`_vllm_fa3_C`), causal, same paged cache
          (only when --fa3-so points at the extension);
 - split: what the FLASH_ATTN backend runs (ddtree_prefix_attention "flash_attn"): FA3
@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_ddtree.attention.reference import pack_tree_mask
+from vllm_ddtree.tree import DDTree, ancestor_mask_from_parents, preorder_layout
 
 
 def int_list(text: str) -> list[int]:
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-depth", type=int, default=15)
+    p.add_argument("--tree-layout", choices=["preorder", "generated"], default="preorder",
+                   help="node order of the random trees: the plugin's (preorder, default) "
+                        "or the generation order (parents among the 64 nodes before)")
     p.add_argument("--fa3-so", default=None, help="_vllm_fa3_C.abi3.so (or .xz)")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also try other tile configs")
@@ -98,20 +102,25 @@ def fa3_call(ops, q, k_cache, v_cache, out, cu_q, seq_lens, block_table, max_q, 
     return out, lse
 
 
-def random_tree_mask(n: int, max_depth: int, seed: int) -> torch.Tensor:  # [n, n] bool
+def random_tree_mask(n: int, max_depth: int, seed: int,
+                     layout: str = "preorder") -> torch.Tensor:  # [n, n] bool
+    """Ancestor mask of a random tree: each node's parent is one of the 64 nodes before it
+    (depth <= max_depth). ``layout="preorder"`` renumbers it as build_ddtree lays out its
+    trees (tree.preorder_layout); ``"generated"`` keeps the generation order."""
     rng = random.Random(seed)
-    parents, depths = [-1], [0]
+    parents, depths = [0], [0]
     for node in range(1, n):
         parent = rng.choice([j for j in range(max(0, node - 64), node) if depths[j] < max_depth] or [0])
         parents.append(parent)
         depths.append(depths[parent] + 1)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for node in range(n):
-        j = node
-        while j >= 0:
-            mask[node, j] = True
-            j = parents[j]
-    return mask
+    parents_t = torch.tensor([parents])
+    mask = ancestor_mask_from_parents(parents_t, max_depth)
+    if layout == "generated":
+        return mask[0]
+    tree = DDTree(tokens=torch.zeros_like(parents_t), parents=parents_t,
+                  depths=torch.tensor([depths]), valid=torch.ones_like(parents_t, dtype=torch.bool),
+                  ancestor_mask=mask, num_nodes=torch.tensor([n - 1]))
+    return preorder_layout(tree).ancestor_mask[0]
 
 
 def bench(fn, rep_ms: int) -> float:
@@ -148,7 +157,7 @@ class Case:
         q = torch.randn(batch * n, num_heads, self.args.head_dim, device=dev, dtype=self.key_cache.dtype)
         seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=dev)
         cu_q = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev)
-        mask = random_tree_mask(n, self.args.max_depth, seed).to(dev)
+        mask = random_tree_mask(n, self.args.max_depth, seed, self.args.tree_layout).to(dev)
         packed = pack_tree_mask(mask[None].expand(batch, n, n).contiguous())
         return q, seq_lens, cu_q, packed
 
@@ -342,7 +351,7 @@ def sweep(args, fa3) -> list[dict]:
 
 
 SPLIT_SWEEP_SHAPES = [  # (context, batch, budget)
-    (1024, 1, 16), (1024, 1, 64), (1024, 1, 256), (1024, 8, 16), (1024, 8, 64),
+    (1024, 1, 16), (1024, 1, 64), (1024, 1, 256), (1024, 8, 16), (1024, 8, 64), (1024, 8, 256),
     (1024, 32, 16), (1024, 32, 64), (1024, 32, 256), (1024, 64, 256), (4096, 1, 16),
     (4096, 1, 64), (4096, 1, 256), (4096, 8, 256), (16384, 1, 16), (16384, 8, 64),
     (32768, 32, 256),
@@ -410,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_tree_attention needs a CUDA GPU")
     fa3 = load_fa3(args.fa3_so)
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"fa3 {'yes' if fa3 else 'no'}  heads {args.heads}  head_dim {args.head_dim}  bf16")
+          f"fa3 {'yes' if fa3 else 'no'}  heads {args.heads}  head_dim {args.head_dim}  bf16  "
+          f"trees {args.tree_layout}")
     results: list[dict] = []
     sweep_rows: list[dict] = []
     started = time.time()
@@ -446,7 +456,7 @@ def save(args, fa3, results: list[dict], sweep_rows: list[dict]) -> None:
         json.dump({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "heads": args.heads, "head_dim": args.head_dim, "page_size": args.page_size,
-            "dtype": "bfloat16", "fa3": fa3 is not None,
+            "dtype": "bfloat16", "fa3": fa3 is not None, "tree_layout": args.tree_layout,
             "timing": "median CUDA-graph replay (ms)",
             "results": results, "sweep": sweep_rows,
         }, f, indent=1)

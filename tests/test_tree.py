@@ -95,10 +95,10 @@ def best_first(lp: torch.Tensor, budget: int, cap: int | None) -> list[tuple[int
 
 
 def expected_layout(lp, root: int, budget: int, cap, selected) -> dict[str, list]:
-    """The library's documented layout for a selected set given in total order."""
+    """The library's documented layout for a selected set: preorder with siblings by
+    rank, which is the lexicographic order of the rank tuples (a prefix first)."""
     _, ids, _ = ref_setup(lp, budget, cap)
-    order = sorted(range(len(selected)), key=lambda i: len(selected[i]))  # stable: depth-major
-    nodes = [()] + [selected[i] for i in order]
+    nodes = [()] + sorted(selected)
     index = {ranks: i for i, ranks in enumerate(nodes)}
     pad = budget + 1 - len(nodes)
     return {
@@ -112,6 +112,14 @@ def expected_layout(lp, root: int, budget: int, cap, selected) -> dict[str, list
 def check_layout(tree: DDTree, r: int, want: dict[str, list]) -> None:
     for name, values in want.items():
         assert getattr(tree, name)[r].tolist() == values, name
+
+
+def ancestors_or_self(parents: list[int], i: int) -> set[int]:
+    chain = {i}
+    while i != 0:
+        i = parents[i]
+        chain.add(i)
+    return chain
 
 
 def check_invariants(tree: DDTree, lp: torch.Tensor, roots: torch.Tensor, budget: int, cap) -> None:
@@ -136,7 +144,7 @@ def check_invariants(tree: DDTree, lp: torch.Tensor, roots: torch.Tensor, budget
         for i in range(1, m + 1):
             p = parents[i]
             assert p < i and depths[i] == depths[p] + 1 <= depth  # parents first, depth <= L
-            assert depths[i] >= depths[i - 1]  # depth-major
+            assert p in ancestors_or_self(parents, i - 1)  # preorder: under the node before
             assert tokens[i] in ids[depths[i] - 1]  # within the top-k cap
             children.setdefault(p, []).append(tokens[i])
         assert all(len(c) == len(set(c)) for c in children.values())  # distinct siblings
@@ -200,6 +208,65 @@ def test_one_hot_drafter_gives_the_greedy_chain_first():
     tree = build_ddtree(lp, torch.tensor([5]), budget=7)
     assert tree.tokens[0, 1:].tolist() == lp[0].argmax(-1).tolist()
     assert tree.parents[0].tolist() == [0, 0, 1, 2, 3, 4, 5, 6]
+
+
+def preorder_oracle(parents: list[int], num_valid: int) -> list[int]:
+    """Old index of each new node: an explicit depth-first walk (children by index), then
+    the padding nodes in their order."""
+    children: dict[int, list[int]] = {}
+    for i in range(1, num_valid):
+        children.setdefault(parents[i], []).append(i)
+    order, stack = [], [0]
+    while stack:
+        v = stack.pop()
+        order.append(v)
+        stack.extend(reversed(children.get(v, [])))
+    return order + list(range(num_valid, len(parents)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 33, 130])
+def test_preorder_layout_renumbers_any_tree_depth_first(n: int):
+    rng = random.Random(n)
+    num_reqs, max_depth = 3, 6
+    parents, depths, valid = [], [], []
+    for r in range(num_reqs):
+        num_valid = n if r == 0 else rng.randint(1, n)  # the rest: padding (root children)
+        par, dep = [0], [0]
+        for i in range(1, n):
+            p = rng.choice([j for j in range(i) if dep[j] < max_depth]) if i < num_valid else 0
+            par.append(p)
+            dep.append(dep[p] + 1 if i < num_valid else 0)
+        parents.append(par)
+        depths.append(dep)
+        valid.append([i < num_valid for i in range(n)])
+    parents_t = torch.tensor(parents)
+    tokens = torch.randint(0, 1000, (num_reqs, n), generator=torch.Generator().manual_seed(n))
+    tree = DDTree(
+        tokens=tokens, parents=parents_t, depths=torch.tensor(depths), valid=torch.tensor(valid),
+        ancestor_mask=tree_mod.ancestor_mask_from_parents(parents_t, max_depth),
+        num_nodes=torch.tensor(valid).sum(1) - 1,
+    )
+    out = tree_mod.preorder_layout(tree)
+    for r in range(num_reqs):
+        order = preorder_oracle(parents[r], sum(valid[r]))
+        new_of = {old: new for new, old in enumerate(order)}
+        assert out.tokens[r].tolist() == [tokens[r, i].item() for i in order]
+        assert out.depths[r].tolist() == [depths[r][i] for i in order]
+        assert out.valid[r].tolist() == [valid[r][i] for i in order]
+        assert out.parents[r].tolist() == [new_of[parents[r][i]] for i in order]
+        for new, old in enumerate(order):  # the mask follows its nodes
+            want = {new_of[j] for j in torch.nonzero(tree.ancestor_mask[r, old]).flatten().tolist()}
+            assert set(torch.nonzero(out.ancestor_mask[r, new]).flatten().tolist()) == want
+    assert torch.equal(out.num_nodes, tree.num_nodes)
+
+
+def test_preorder_puts_the_greedy_chain_first():
+    # Two confident depths then a spread: nodes 1.. are the best token's best descendants.
+    lp = torch.full((1, 4, 6), -9.0)
+    lp[0, :, 2], lp[0, :, 4] = -0.05, -3.0
+    tree = build_ddtree(lp.log_softmax(-1), torch.tensor([1]), budget=9, topk_cap=2)
+    assert tree.tokens[0, 1:5].tolist() == [2, 2, 2, 2]
+    assert tree.parents[0, :5].tolist() == [0, 0, 1, 2, 3]
 
 
 def test_fewer_prefixes_than_budget_pads():

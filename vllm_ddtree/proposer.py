@@ -72,7 +72,7 @@ class DDTreeProposer(DFlashProposer):
                     logprobs, next_token_ids, self.ddtree.budget, self.ddtree.topk_cap
                 )
         self.last_tree = tree
-        # Draft tokens in node order: depth-major, parents before children.
+        # Draft tokens in node order: preorder, parents before children.
         return tree.tokens[:, 1:]
 
     def _sample_draft_tokens(

@@ -22,8 +22,15 @@ Conventions (all tensors on the inputs' device; shapes depend only on
   values above 0 (unnormalised input) cannot make a child outrank its parent. NaN is not
   allowed.
 - Scores are accumulated in float32 root to leaf: score(child) = score(parent) + log q.
-- Node order: column 0 is the root (bonus token); then depth-major (all depth-1 nodes,
-  then depth 2, ...), inside a depth by the total order above. Parents precede children.
+- Node order (build_ddtree): column 0 is the root (bonus token); then preorder, depth
+  first with siblings by rank (preorder_layout): node 1 is the best depth-1 token, nodes
+  2, 3, ... its best descendants down to a leaf (the drafter's greedy chain, so a prefix
+  of the drafts verified as a chain is that chain), then the rest of each subtree before
+  the next sibling. Parents precede children, and a run of consecutive nodes shares most
+  of its ancestors, so the verify step's ancestor mask has few populated tiles.
+  The selections (select_tree and its Triton twin) lay nodes out depth-major (all
+  depth-1 nodes, then depth 2, ..., inside a depth by the total order above);
+  preorder_layout renumbers them.
 - If fewer than `budget` prefixes exist (sum_{d=1..L} K^d < budget) every prefix is taken
   and the trailing columns are padding: valid False, token 0, parent 0, depth 0; a padding
   row's ancestor_mask holds only the root and itself, so it attends to real context only.
@@ -74,7 +81,8 @@ def build_ddtree(
     use_triton: bool | None = None,  # None: the Triton kernels on CUDA where they fit, else torch
 ) -> DDTree:
     """Build the tree of the `budget` most probable draft prefixes for every request:
-    top-K tokens per depth, then the selection and layout (Triton or its torch twin)."""
+    top-K tokens per depth, the selection (Triton or its torch twin), then the preorder
+    layout."""
     _check_args(draft_logprobs, root_tokens, budget, topk_cap)
     _, max_depth, vocab = draft_logprobs.shape
     k = topk_width(budget, topk_cap, vocab)
@@ -87,8 +95,39 @@ def build_ddtree(
     if use_triton:
         from vllm_ddtree.tree_triton import select_tree_triton
 
-        return select_tree_triton(top_vals, top_ids, root_tokens, budget)
-    return select_tree(top_vals, top_ids, root_tokens, budget)
+        return preorder_layout(select_tree_triton(top_vals, top_ids, root_tokens, budget))
+    return preorder_layout(select_tree(top_vals, top_ids, root_tokens, budget))
+
+
+def preorder_layout(tree: DDTree) -> DDTree:
+    """The same trees with their nodes renumbered in preorder: depth first, siblings in
+    index order (for select_tree's layout, rank order), padding kept last, in place.
+
+    No host sync, so a build stays capturable. For node v with size[a] the nodes under
+    a (a included) and elder[a] the total size of a's elder siblings, the nodes before
+    v in preorder are its proper ancestors and everything under their elder siblings:
+    pre[v] = sum over a ancestor-or-self of v of (elder[a] + 1), minus 1. A padding
+    node (a root child after every valid node) keeps its index."""
+    mask = tree.ancestor_mask  # [num_reqs, n, n]; [r, i, j]: j ancestor-or-self of i
+    num_reqs, n = tree.parents.shape
+    node = torch.arange(n, device=mask.device)
+    size = mask.sum(1, dtype=torch.int32)  # [num_reqs, n]
+    elder_sibling = (  # [num_reqs, a, s]: s is an elder sibling of a
+        (tree.parents[:, :, None] == tree.parents[:, None, :])
+        & (node[None, :] < node[:, None]) & (node[None, :] > 0)
+    )
+    elder = torch.where(elder_sibling, size[:, None, :], 0).sum(-1, dtype=torch.int32)
+    pre = torch.where(mask, (elder + 1)[:, None, :], 0).sum(-1) - 1  # [num_reqs, n] int64
+    order = torch.empty_like(pre).scatter_(1, pre, node.expand(num_reqs, n))  # new -> old
+    rows = order[:, :, None].expand(num_reqs, n, n)
+    return DDTree(
+        tokens=tree.tokens.gather(1, order),
+        parents=pre.gather(1, tree.parents.gather(1, order)),
+        depths=tree.depths.gather(1, order),
+        valid=tree.valid.gather(1, order),
+        ancestor_mask=mask.gather(1, rows).gather(2, order[:, None, :].expand(num_reqs, n, n)),
+        num_nodes=tree.num_nodes,
+    )
 
 
 def topk_per_depth(
