@@ -29,7 +29,12 @@ from vllm_ddtree.attention.reference import (
     tree_attention_reference,
     write_kv_to_cache,
 )
-from vllm_ddtree.attention.tree_attention_plan import pick_prefix_given_config, sm_count
+from vllm_ddtree.attention.tree_attention_plan import (
+    LIGHT_TILES_MAX_SEQ,
+    pick_prefix_given_config,
+    pick_tile_config,
+    sm_count,
+)
 from vllm_ddtree.attention.triton_tree import (
     TileConfig,
     launch_tree_attention,
@@ -505,6 +510,25 @@ def test_prefix_given_takes_small_tiles():
     )
     assert whole.constexprs["MASK_WORDS"] == 0  # 128-key tiles span words: read per tile
     assert pick_prefix_given_config(128, 4, BF16, 65, 8, 132) == TileConfig(32, 32, 4, 1)
+    # The whole kernel at a small grid: light tiles up to 128 rows, and up to 512 in 2
+    # stages where the keys are known to be few; heavy tiles otherwise.
+    light, heavy = TileConfig(64, 64, 4, 2), TileConfig(128, 128, 8, 3)
+    assert pick_tile_config(128, 4, BF16, 17, 8, 132) == TileConfig(64, 64, 4, 3)
+    assert pick_tile_config(128, 4, BF16, 17, 8, 132, max_seq_len=1 << 15).num_stages == 3
+    assert pick_tile_config(128, 4, BF16, 65, 8, 132, max_seq_len=LIGHT_TILES_MAX_SEQ) == light
+    assert pick_tile_config(128, 4, BF16, 65, 8, 132, max_seq_len=LIGHT_TILES_MAX_SEQ + 1) == heavy
+    assert pick_tile_config(128, 4, BF16, 65, 8, 132) == heavy  # keys unknown
+    assert pick_tile_config(128, 4, BF16, 257, 8, 132, max_seq_len=1024) == heavy
+    assert pick_tile_config(128, 4, BF16, 65, 320, 132, max_seq_len=1024) == heavy
+    for max_seq_len, want in ((2048, light), (None, heavy)):  # the plan hands it to the pick
+        plan = plan_tree_attention(
+            batch.query, batch.key_cache, batch.value_cache, batch.block_table[:1],
+            batch.seq_lens[:1], batch.query_start_loc[:2], mask[:1], SCALE,
+            max_query_len=65, max_seq_len=max_seq_len,
+        )
+        got = plan.constexprs
+        assert (got["BLOCK_M"], got["BLOCK_N"], got["num_stages"]) == (
+            want.block_m, want.block_n, want.num_stages)
     assert pick_prefix_given_config(128, 4, BF16, 65, 320, 132) == TileConfig(64, 16, 4, 1)
     assert pick_prefix_given_config(128, 4, BF16, 17, 320, 132) == TileConfig(64, 32, 4, 1)
 

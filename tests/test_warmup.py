@@ -134,7 +134,8 @@ def test_tree_attention_warm_up_runs_the_prefix_given_variant(monkeypatch):
         assert [kw["PREFIX_GIVEN"] for _, kw in seen] == expected
 
 
-def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypatch):
+@pytest.mark.parametrize("width", [17, 65])  # 65: light tiles only where the keys are few
+def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypatch, width):
     """Small batches take lighter tiles than large ones (pick_tile_config, and with the
     prefix given pick_prefix_given_config): every configuration a batch of 1 to
     max_num_reqs would launch is compiled at start-up, each without and with a split
@@ -150,7 +151,7 @@ def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypat
                         KernelRecorder(triton_tree.tree_attention_kernel, seen))
     gen = torch.Generator().manual_seed(2)
     cache, = make_caches(1, 3, 2, 16, 2 * 32, torch.bfloat16, gen)
-    width, max_num_reqs, num_heads, num_kv_heads = 17, 40, 8, 2
+    max_num_reqs, num_heads, num_kv_heads = 40, 8, 2
     layers = [warmup.AttentionShape(num_heads, 32, 32 ** -0.5, cache, flash_prefix=True)]
     buffer = mask_buffer(2, width, torch.device(DEVICE))
 
@@ -158,7 +159,8 @@ def test_tree_attention_warm_up_covers_the_tile_configs_of_every_batch(monkeypat
 
     def configs(pick) -> set:
         return {pick(32, num_heads // num_kv_heads, torch.bfloat16, width,
-                     n * num_kv_heads, 132) for n in range(1, max_num_reqs + 1)}
+                     n * num_kv_heads, 132, max_seq_len=seq)
+                for n in range(1, max_num_reqs + 1) for seq in (1024, 1 << 15)}
 
     launched = {(kw["BLOCK_M"], kw["BLOCK_N"], kw["SPLIT"]) for _, kw in seen
                 if not kw["PREFIX_GIVEN"]}

@@ -33,6 +33,7 @@ import triton
 
 from vllm_ddtree.attention.kv_move_triton import compact_kv_triton
 from vllm_ddtree.attention.tree_attention_plan import (
+    LIGHT_TILES_MAX_SEQ,
     MIN_SPLIT_KEYS,
     TileConfig,
     pick_prefix_given_config,
@@ -189,12 +190,13 @@ def tile_configs(num_heads: int, head_size: int, num_kv_heads: int, dtype: torch
                  width: int, max_num_reqs: int, num_sms: int,
                  pick=pick_tile_config) -> list[TileConfig]:
     """The distinct tile configurations the plan picks for 1 to ``max_num_reqs``
-    requests of ``width`` rows (tree_attention_plan.pick_tile_config, or with the
-    prefix given pick_prefix_given_config)."""
+    requests of ``width`` rows, with short keys or long (tree_attention_plan.
+    pick_tile_config, or with the prefix given pick_prefix_given_config)."""
     configs: list[TileConfig] = []
     for num_reqs in range(1, max(1, max_num_reqs) + 1):
-        config = pick(head_size, num_heads // num_kv_heads, dtype, width,
-                      num_reqs * num_kv_heads, num_sms)
-        if config not in configs:
-            configs.append(config)
+        for max_seq_len in (LIGHT_TILES_MAX_SEQ, None):  # short keys, and long or unknown
+            config = pick(head_size, num_heads // num_kv_heads, dtype, width,
+                          num_reqs * num_kv_heads, num_sms, max_seq_len=max_seq_len)
+            if config not in configs:
+                configs.append(config)
     return configs

@@ -19,6 +19,7 @@ from vllm_ddtree.attention.reference import BITS_PER_WORD, pack_tree_mask
 from vllm_ddtree.triton_device import require_triton_device
 
 __all__ = [
+    "LIGHT_TILES_MAX_SEQ",
     "TileConfig",
     "TreeAttentionPlan",
     "choose_num_splits",
@@ -34,6 +35,7 @@ MIN_SPLIT_KEYS = 256  # a KV split shorter than this costs more to merge than it
 MAX_SPLITS = 64
 WAVES = 2  # split until about this many programs per SM
 MAX_PRELOADED_WORDS = 4096  # a program's mask words held at once (preload_mask_words)
+LIGHT_TILES_MAX_SEQ = 8192  # past this the light tiles' extra prefix reads cost more (pick_tile_config)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ def plan_tree_attention(
     num_sms = sm_count(query.device)
     pick = pick_prefix_given_config if prefix_given else pick_tile_config
     config = config or pick(
-        head_dim, group, query.dtype, max_query_len, num_reqs * num_kv_heads, num_sms
+        head_dim, group, query.dtype, max_query_len, num_reqs * num_kv_heads, num_sms,
+        max_seq_len=max_seq_len,
     )
     tokens_per_tile = config.block_m // group
     num_q_tiles = max(1, triton.cdiv(max_query_len, tokens_per_tile))
@@ -206,6 +209,7 @@ def pick_prefix_given_config(
     max_query_len: int,
     num_pairs: int = 1 << 20,
     num_sms: int = 132,
+    max_seq_len: int | None = None,
 ) -> TileConfig:
     """Tiles for the tree keys alone, FlashAttention having taken the prefix: at most
     budget + 1 keys, most of them hidden from a row, in one pass (one stage). From an
@@ -214,7 +218,8 @@ def pick_prefix_given_config(
     rows beyond, with 16-key tiles for trees over 32 rows (more hidden tiles skipped).
     16-bit, head_dim <= 128; otherwise pick_tile_config's."""
     if dtype == torch.float32 or triton.next_power_of_2(head_dim) > 128:
-        return pick_tile_config(head_dim, group, dtype, max_query_len, num_pairs, num_sms)
+        return pick_tile_config(head_dim, group, dtype, max_query_len, num_pairs, num_sms,
+                                max_seq_len=max_seq_len)
     min_rows = max(16, triton.next_power_of_2(group))  # at least one token per tile
     rows_pow2 = triton.next_power_of_2(max(1, max_query_len * group))
     if num_pairs <= num_sms // 4:
@@ -229,14 +234,18 @@ def pick_tile_config(
     max_query_len: int,
     num_pairs: int = 1 << 20,
     num_sms: int = 132,
+    max_seq_len: int | None = None,
 ) -> TileConfig:
     """Tiles for Hopper, picked from an H200 sweep (benchmarks/README.md);
     ``num_pairs`` = requests x KV heads.
 
     16-bit, head_dim 128: 128 query rows x 128 keys, 3 stages (fastest on every swept
-    shape but one); 64 x 64 with 4 warps when a KV head has <= 128 query rows and at
-    most a quarter of the SMs would get one (batch-1 short trees: more, lighter CTAs
-    hide latency better); fewer
+    shape but one); 64 x 64 with 4 warps when at most a quarter of the SMs would get a
+    KV head (batch-1 trees: more, lighter CTAs hide latency better), in 3 stages for
+    <= 128 query rows and in 2 for 129-512 (budgets 32-127 at 4 query heads per KV
+    head) when the keys are known to be at most LIGHT_TILES_MAX_SEQ (more query
+    tiles read the prefix more often: at 16K and 32K the heavy tiles win; the
+    2026-12-01 sweep and table in benchmarks/README.md); fewer
     rows when a KV head has fewer than 128 query rows (decode-like rows). Head_dim 64:
     128 x 64 (128 keys spill). Head_dim 256: 64 x 32. Float32 (3-pass tf32): small.
     """
@@ -250,8 +259,9 @@ def pick_tile_config(
     if head_dim_pad > 128:
         block_m = max(min_rows, min(64, rows_pow2))
         return TileConfig(block_m, 32, 8 if block_m >= 64 else 4, 2)
-    if rows <= 128 and num_pairs <= num_sms // 4:
-        return TileConfig(max(min_rows, min(64, rows_pow2)), 64, 4, 3)
+    short_keys = max_seq_len is not None and max_seq_len <= LIGHT_TILES_MAX_SEQ
+    if num_pairs <= num_sms // 4 and (rows <= 128 or (rows <= 512 and short_keys)):
+        return TileConfig(max(min_rows, min(64, rows_pow2)), 64, 4, 3 if rows <= 128 else 2)
     block_m = max(min_rows, min(128, rows_pow2))
     if block_m < 128:
         return TileConfig(block_m, 64, 4, 3)
