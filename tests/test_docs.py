@@ -201,3 +201,19 @@ def test_async_step_cost_tables_are_the_results_file(doc, heading):
         method = "ddtree" if method[0].startswith("ddtree") else method[0]
         assert [float(b1), float(b32)] == [round(costs[(runner, method, b)], 3)
                                            for b in (1, 32)], (runner, method)
+
+
+def test_readme_tree_attention_table_is_the_results_file():
+    """README.md's tree-attention rows and its count of sizes within 1.2x of
+    FlashAttention 3 (the faster of tree and split) are the file it names."""
+    name = re.search(r"benchmarks/results/(tree_attention_split_h200_\w+\.json)", README)[1]
+    results = {(r["context"], r["batch"], r["budget"]): r for r in results_rows(name)}
+    rows = block_after(README, "   ctx batch    B   tree ms  split ms    fa3 ms tree/fa3")
+    assert len(rows) >= 8
+    for ctx, batch, budget, *cells in rows:
+        r = results[int(ctx), int(batch), int(budget)]
+        assert cells == [f"{r['tree_ms']:.4f}", f"{r['split_ms']:.4f}", f"{r['fa3_ms']:.4f}",
+                         f"{r['tree_ms'] / r['fa3_ms']:.2f}", f"{r['split_ms'] / r['fa3_ms']:.2f}"]
+    within = sum(min(r["tree_ms"], r["split_ms"]) <= 1.2 * r["fa3_ms"] for r in results.values())
+    claimed = re.search(r"within the 1\.2x target on \*\*(\d+) of (\d+)\*\*", README)
+    assert (int(claimed[1]), int(claimed[2])) == (within, len(results))
