@@ -22,15 +22,15 @@ Conventions (all tensors on the inputs' device; shapes depend only on
   values above 0 (unnormalised input) cannot make a child outrank its parent. NaN is not
   allowed.
 - Scores are accumulated in float32 root to leaf: score(child) = score(parent) + log q.
-- Node order (build_ddtree): column 0 is the root (bonus token); then preorder, depth
-  first with siblings by rank (preorder_layout): node 1 is the best depth-1 token, nodes
+- Node order: column 0 is the root (bonus token); then preorder, depth first with
+  siblings by rank (preorder_layout): node 1 is the best depth-1 token, nodes
   2, 3, ... its best descendants down to a leaf (the drafter's greedy chain, so a prefix
   of the drafts verified as a chain is that chain), then the rest of each subtree before
   the next sibling. Parents precede children, and a run of consecutive nodes shares most
   of its ancestors, so the verify step's ancestor mask has few populated tiles.
-  The selections (select_tree and its Triton twin) lay nodes out depth-major (all
-  depth-1 nodes, then depth 2, ..., inside a depth by the total order above);
-  preorder_layout renumbers them.
+  select_tree first lays nodes out depth-major (all depth-1 nodes, then depth 2, ...,
+  inside a depth by the total order above) and preorder_layout renumbers them; the
+  Triton kernel computes the preorder positions itself.
 - If fewer than `budget` prefixes exist (sum_{d=1..L} K^d < budget) every prefix is taken
   and the trailing columns are padding: valid False, token 0, parent 0, depth 0; a padding
   row's ancestor_mask holds only the root and itself, so it attends to real context only.
@@ -81,8 +81,7 @@ def build_ddtree(
     use_triton: bool | None = None,  # None: the Triton kernels on CUDA where they fit, else torch
 ) -> DDTree:
     """Build the tree of the `budget` most probable draft prefixes for every request:
-    top-K tokens per depth, the selection (Triton or its torch twin), then the preorder
-    layout."""
+    top-K tokens per depth, then the selection and layout (Triton or its torch twin)."""
     _check_args(draft_logprobs, root_tokens, budget, topk_cap)
     _, max_depth, vocab = draft_logprobs.shape
     k = topk_width(budget, topk_cap, vocab)
@@ -95,13 +94,13 @@ def build_ddtree(
     if use_triton:
         from vllm_ddtree.tree_triton import select_tree_triton
 
-        return preorder_layout(select_tree_triton(top_vals, top_ids, root_tokens, budget))
-    return preorder_layout(select_tree(top_vals, top_ids, root_tokens, budget))
+        return select_tree_triton(top_vals, top_ids, root_tokens, budget)
+    return select_tree(top_vals, top_ids, root_tokens, budget)
 
 
 def preorder_layout(tree: DDTree) -> DDTree:
     """The same trees with their nodes renumbered in preorder: depth first, siblings in
-    index order (for select_tree's layout, rank order), padding kept last, in place.
+    index order (for select_tree's depth-major layout, rank order), padding kept last.
 
     No host sync, so a build stays capturable. For node v with size[a] the nodes under
     a (a included) and elder[a] the total size of a's elder siblings, the nodes before
@@ -225,7 +224,8 @@ def select_tree(
     depth = torch.arange(1, max_depth + 1, device=device)[:, None]  # [max_depth, 1]
     mag = _score_mag(scores)
     key = torch.add((depth << lex_bits) + codes, mag, alpha=1 << shift)  # the total order
-    # Selected: key <= bound. Layout order: depth, then the total order inside a depth.
+    # Selected: key <= bound. Depth-major order first: depth, then the total order inside
+    # a depth; preorder_layout renumbers the result.
     layout_key = torch.add((depth << (MAG_BITS + lex_bits)) + codes, mag, alpha=1 << lex_bits)
     layout_key = torch.where(key <= bound[:, :, None], layout_key, KEY_NONE)
     last, flat = layout_key.view(num_reqs, max_depth * budget).topk(budget, dim=1, largest=False)
@@ -243,14 +243,14 @@ def select_tree(
     tokens = top_ids.view(num_reqs, max_depth * k).gather(1, level * k + code.remainder(k))
     tokens = torch.cat([root_tokens.to(torch.int64)[:, None], torch.where(valid, tokens, 0)], dim=1)
     parents = F.pad(parents, (1, 0))
-    return DDTree(
+    return preorder_layout(DDTree(
         tokens=tokens,
         parents=parents,
         depths=F.pad(torch.where(valid, level + 1, 0), (1, 0)),
         valid=F.pad(valid, (1, 0), value=True),
         ancestor_mask=ancestor_mask_from_parents(parents, max_depth),
         num_nodes=valid.sum(dim=1),
-    )
+    ))
 
 
 def select_prefixes(

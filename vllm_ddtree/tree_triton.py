@@ -13,9 +13,14 @@ per node slot; slot i holds the i-th best prefix, slot 0 the root):
   the rank tuple, whose order inside a depth is (parent's lex order, rank).
 - Lex ranks among the selected nodes of each depth stay dense: inserting a node moves the
   ranks behind it, and the parent ranks of their children, up by one (vector updates).
-- Layout: depth-major positions by one cumsum per depth; each lane writes its node at its
-  position, reads its parent's position from a scratch row, and chases parents to fill its
-  ancestor-mask row.
+- Layout: preorder (tree.py). Inside a depth, the lex ranks order siblings contiguously
+  by rank, and a node's elder siblings are ranks 0 .. rank - 1 (a sibling is opened only
+  once the one before it is taken). So one prefix sum of subtree sizes in (depth, lex
+  order) gives each node the size of everything under its elder siblings, and a chase up
+  its parents sums (that + 1) over its ancestors-or-self into its preorder position.
+  Subtree sizes come from atomic adds up each node's ancestors in a scratch row. Each lane
+  then writes its node at its position, reads its parent's position from a scratch row,
+  and chases parents to fill its ancestor-mask row.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from vllm_ddtree.triton_device import require_triton_device
 __all__ = ["select_tree_triton", "triton_supports"]
 
 KEY_NONE = tl.constexpr((1 << 63) - 1)  # key of an empty candidate: after every real one
+SCRATCH_ROWS = 5  # select_tree_kernel's scratch rows per request
 
 
 def triton_supports(budget: int, max_depth: int) -> bool:
@@ -54,7 +60,9 @@ def select_tree_triton(
     valid = torch.empty(num_reqs, n, dtype=torch.bool, device=device)
     ancestor_mask = torch.empty(num_reqs, n, n, dtype=torch.bool, device=device)
     num_nodes = torch.empty(num_reqs, dtype=torch.int64, device=device)
-    position = torch.empty(num_reqs, block, dtype=torch.int32, device=device)  # scratch
+    # Scratch rows per request: positions, parent slots, subtree sizes, sizes in
+    # (depth, lex) order then their prefix sums, and each node's preorder step.
+    scratch = torch.empty(num_reqs, SCRATCH_ROWS, block, dtype=torch.int32, device=device)
     if num_reqs > 0:
         select_tree_kernel[(num_reqs,)](
             tokens,
@@ -63,7 +71,7 @@ def select_tree_triton(
             valid.view(torch.uint8),
             ancestor_mask.view(torch.uint8),
             num_nodes,
-            position,
+            scratch,
             top_vals,
             top_ids,
             # vLLM's DFlash sends int32 next tokens: one dtype (and no alignment
@@ -128,7 +136,7 @@ def select_tree_kernel(
     valid_ptr,  # [num_reqs, BUDGET + 1] uint8 (bool)
     mask_ptr,  # [num_reqs, BUDGET + 1, BUDGET + 1] uint8 (bool)
     num_nodes_ptr,  # [num_reqs] int64
-    position_ptr,  # [num_reqs, BLOCK] int32 scratch: layout position of each slot
+    scratch_ptr,  # [num_reqs, 5, BLOCK] int32 scratch (select_tree_triton)
     top_vals_ptr,  # [num_reqs, MAX_DEPTH, TOPK] float32
     top_ids_ptr,  # [num_reqs, MAX_DEPTH, TOPK] int64
     root_tokens_ptr,  # [num_reqs] int64
@@ -208,21 +216,52 @@ def select_tree_kernel(
         cand = tl.where(win, float("-inf"), cand)
         cand = tl.where(is_new[:, None], tl.where(side == 0, sib, kid), cand)
 
-    # Depth-major layout: the root, then each depth in slot (= total) order; padding slots
-    # (not taken) are the last ones and keep their index.
-    position = lane
+    # Preorder layout (tree.py): node v goes to the sum over its ancestors-or-self a
+    # below the root of elder(a) + 1, elder(a) = the nodes under a's elder siblings.
+    # Padding slots (not taken) are the last ones and keep their index.
+    row = lane < N
+    node = taken & (lane > 0)
+    scratch = scratch_ptr + req * (5 * BLOCK)
+    position_row, parent_row, size_row = scratch, scratch + BLOCK, scratch + 2 * BLOCK
+    lexed_row, step_row = scratch + 3 * BLOCK, scratch + 4 * BLOCK
+    lexpos = tl.zeros([BLOCK], dtype=tl.int32)  # (depth, lex) as one dense index, root 0
     base = tl.full([], 1, tl.int32)
     for d in range(1, MAX_DEPTH + 1):
-        at = (taken & (depth == d)).to(tl.int32)
-        position = tl.where(at > 0, base + tl.cumsum(at, 0) - 1, position)
-        base += tl.sum(at)
+        at = taken & (depth == d)
+        lexpos = tl.where(at, base + lex, lexpos)
+        base += tl.sum(at.to(tl.int32))
+    tl.store(parent_row + lane, parent, mask=row)
+    tl.store(size_row + lane, node.to(tl.int32), mask=row)
+    tl.debug_barrier()  # parents and the sizes' 1s are written before any chase
+    cur = parent
+    for _ in range(MAX_DEPTH - 1):  # a node of depth d has d - 1 ancestors below the root
+        up = node & (cur > 0)
+        tl.atomic_add(size_row + cur, 1, mask=up)
+        cur = tl.load(parent_row + cur, mask=up, other=0)
+    tl.debug_barrier()  # every add is done before the sizes are read (from L2: .cg)
+    size = tl.load(size_row + lane, mask=row, other=0, cache_modifier=".cg")
+    tl.store(lexed_row + lexpos, size, mask=node)
+    tl.debug_barrier()
+    by_lex = tl.load(lexed_row + lane, mask=(lane > 0) & (lane < base), other=0)
+    before = tl.cumsum(by_lex, 0) - by_lex  # sizes of the entries before, (depth, lex) order
+    tl.debug_barrier()  # every lane has read its entry before the prefix sums overwrite it
+    tl.store(lexed_row + lane, before, mask=row)
+    tl.debug_barrier()
+    elder = (tl.load(lexed_row + lexpos, mask=node, other=0)
+             - tl.load(lexed_row + lexpos - rank, mask=node, other=0))
+    tl.store(step_row + lane, elder + 1, mask=row)
+    tl.debug_barrier()
+    position = tl.zeros([BLOCK], dtype=tl.int32)
+    cur = lane
+    for _ in range(MAX_DEPTH):  # a node of depth d: d ancestors-or-self below the root
+        up = node & (cur > 0)
+        position += tl.load(step_row + cur, mask=up, other=0)
+        cur = tl.load(parent_row + cur, mask=up, other=0)
+    position = tl.where(taken, position, lane)
 
-    row = lane < N
-    scratch = position_ptr + req * BLOCK
-    tl.store(scratch + lane, position, mask=row)
+    tl.store(position_row + lane, position, mask=row)
     tl.debug_barrier()  # every slot's position is written before any lane reads its parent's
-    node = taken & (lane > 0)
-    parent_position = tl.load(scratch + parent, mask=node, other=0).to(tl.int64)
+    parent_position = tl.load(position_row + parent, mask=node, other=0).to(tl.int64)
     ids_ptr = top_ids_ptr + req * (MAX_DEPTH * TOPK)
     token = tl.load(ids_ptr + (depth - 1) * TOPK + rank, mask=node, other=0)
     token = tl.where(lane == 0, tl.load(root_tokens_ptr + req).to(tl.int64), token)
