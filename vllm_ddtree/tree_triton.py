@@ -35,7 +35,7 @@ from vllm_ddtree.triton_device import require_triton_device
 __all__ = ["select_tree_triton", "triton_supports"]
 
 KEY_NONE = tl.constexpr((1 << 63) - 1)  # key of an empty candidate: after every real one
-SCRATCH_ROWS = 5  # select_tree_kernel's scratch rows per request
+SCRATCH_ROWS = tl.constexpr(5)  # select_tree_kernel's scratch rows per request
 
 
 def triton_supports(budget: int, max_depth: int) -> bool:
@@ -62,7 +62,8 @@ def select_tree_triton(
     num_nodes = torch.empty(num_reqs, dtype=torch.int64, device=device)
     # Scratch rows per request: positions, parent slots, subtree sizes, sizes in
     # (depth, lex) order then their prefix sums, and each node's preorder step.
-    scratch = torch.empty(num_reqs, SCRATCH_ROWS, block, dtype=torch.int32, device=device)
+    scratch = torch.empty(num_reqs, SCRATCH_ROWS.value, block, dtype=torch.int32,
+                          device=device)
     if num_reqs > 0:
         select_tree_kernel[(num_reqs,)](
             tokens,
@@ -136,7 +137,7 @@ def select_tree_kernel(
     valid_ptr,  # [num_reqs, BUDGET + 1] uint8 (bool)
     mask_ptr,  # [num_reqs, BUDGET + 1, BUDGET + 1] uint8 (bool)
     num_nodes_ptr,  # [num_reqs] int64
-    scratch_ptr,  # [num_reqs, 5, BLOCK] int32 scratch (select_tree_triton)
+    scratch_ptr,  # [num_reqs, SCRATCH_ROWS, BLOCK] int32 scratch (select_tree_triton)
     top_vals_ptr,  # [num_reqs, MAX_DEPTH, TOPK] float32
     top_ids_ptr,  # [num_reqs, MAX_DEPTH, TOPK] int64
     root_tokens_ptr,  # [num_reqs] int64
@@ -221,7 +222,7 @@ def select_tree_kernel(
     # Padding slots (not taken) are the last ones and keep their index.
     row = lane < N
     node = taken & (lane > 0)
-    scratch = scratch_ptr + req * (5 * BLOCK)
+    scratch = scratch_ptr + req * (SCRATCH_ROWS * BLOCK)
     position_row, parent_row, size_row = scratch, scratch + BLOCK, scratch + 2 * BLOCK
     lexed_row, step_row = scratch + 3 * BLOCK, scratch + 4 * BLOCK
     lexpos = tl.zeros([BLOCK], dtype=tl.int32)  # (depth, lex) as one dense index, root 0
