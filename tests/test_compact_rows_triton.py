@@ -2,7 +2,7 @@
 (vllm_ddtree/compaction.py): the torch paths against a plain Python oracle, and the Triton kernels of
 vllm_ddtree/compact_rows_triton.py against those torch twins, bit for bit.
 
-Paths come as DDTree's depth-major trees give them (increasing nodes), with a
+Paths come as DDTree's trees give them (increasing nodes: parents first), with a
 request whose rows end the batch, one that accepts nothing, and rows past every
 request (padding). Tensors: hidden states of several widths and dtypes (some
 sharing a launch), 1-D token ids, a strided view. The kernels run on CUDA, or on
@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from tests.test_kv_move_triton import depth_major_walk
+from tests.test_kv_move_triton import tree_order_walk
 from tests.triton_utils import DEVICE, needs_cuda, needs_kernel
 from vllm_ddtree.compaction import compact_rows, restore_chain_positions, tree_positions
 
@@ -26,7 +26,7 @@ PAD_ROWS = 3
 def batch(num_reqs: int, budget: int, max_depth: int, seed: int):
     """(accepted nodes, row starts, sent nodes per request, number of rows)."""
     rng = random.Random(seed)
-    walk = depth_major_walk(num_reqs, budget, max_depth, rng)
+    walk = tree_order_walk(num_reqs, budget, max_depth, rng)
     walk.accepted_nodes[0, 1:] = -1  # request 0 accepts nothing
     num_scheduled = torch.tensor([rng.randint(0, budget) for _ in range(num_reqs)])
     for r in range(num_reqs):  # a path only uses nodes that were sent

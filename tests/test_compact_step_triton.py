@@ -3,7 +3,7 @@ torch twins: cuda.move_kv_slots layer by layer after the compaction plan, compac
 and restore_chain_positions on their torch paths, bit for bit, untouched memory
 included.
 
-Paths come as DDTree's depth-major trees give them, with a request that accepts
+Paths come as DDTree's trees give them (increasing nodes), with a request that accepts
 nothing, a padding request, padding rows of slot -1 and rows past every request; the
 states span more than one block per row; caches of every dtype width, odd head counts;
 with and without KV caches (layouts the launch does not move leave them to their own

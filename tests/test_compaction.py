@@ -25,7 +25,7 @@ def random_walk(num_reqs: int, budget: int, max_depth: int, rng: random.Random) 
         k = rng.randint(0, min(budget, max_depth))
         nodes = rng.sample(range(1, budget + 1), k)
         if rng.random() < 0.5:
-            nodes.sort()  # depth-major trees give increasing paths
+            nodes.sort()  # DDTree trees (parents first) give increasing paths
         rows.append([0] + nodes + [-1] * (max_depth - k))
         counts.append(k)
     accepted = torch.tensor(rows, dtype=torch.int64)

@@ -1,7 +1,7 @@
 """vllm_ddtree/attention/kv_move_triton.py against its torch twin: the compaction plan
 (plan_rows, plan_slots) and cuda.move_kv_slots layer by layer.
 
-Moves come from accepted paths as DDTree's depth-major trees give them (increasing
+Moves come from accepted paths as DDTree's trees give them (increasing
 nodes), with padding rows of slot -1 and a padding request, over several separately
 allocated layers in vLLM's CUDA cache layout, odd head counts and row widths, and every
 cache dtype width. Every bit must match the twin, untouched slots included. Run on the
@@ -25,8 +25,8 @@ from vllm_ddtree.verify import WalkResult
 pytestmark = [pytest.mark.gpu, needs_kernel]
 
 
-def depth_major_walk(num_reqs: int, budget: int, max_depth: int, rng: random.Random) -> WalkResult:
-    """Accepted paths as a depth-major tree gives them: increasing node indices."""
+def tree_order_walk(num_reqs: int, budget: int, max_depth: int, rng: random.Random) -> WalkResult:
+    """Accepted paths as a DDTree tree gives them (parents first): increasing node indices."""
     rows, counts = [], []
     for _ in range(num_reqs):
         k = rng.randint(0, min(budget, max_depth))
@@ -66,7 +66,7 @@ def test_kernel_matches_the_layer_by_layer_twin(dtype, budget, max_depth, heads,
     for _ in range(3):
         num_reqs = rng.randint(1, 4)
         starts, slot_mapping, _ = setup(num_reqs, budget, pad_rows=3, block_size=page, gen=gen)
-        walk = depth_major_walk(num_reqs + 1, budget, max_depth, rng)
+        walk = tree_order_walk(num_reqs + 1, budget, max_depth, rng)
         walk.accepted_nodes[-1, 1:] = -1  # the padding request accepts nothing
         walk.num_accepted[-1] = 0
         row_start = starts[:-1]
