@@ -38,6 +38,9 @@ def sig(*args: str, **constexprs) -> tuple[dict, dict]:
     return types, constexprs
 
 
+SELECT_TREE = ("tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_ptr:*u8",
+               "mask_ptr:*u8", "num_nodes_ptr:*i64", "scratch_ptr:*i32", "top_vals_ptr:*fp32",
+               "top_ids_ptr:*i64", "root_tokens_ptr:*i64")
 STEP_TREES = ("tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_ptr:*u8",
               "mask_ptr:*u8", "num_nodes_ptr:*i64", "tree_tokens_ptr:*i64",
               "tree_parents_ptr:*i64", "tree_depths_ptr:*i64", "tree_valid_ptr:*u8",
@@ -113,16 +116,10 @@ CASES = {
                                                       HAS_POSITIONS=True, BLOCK=128, WORDS=3)),
     "step_trees_unpacked": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=True,
                                                    HAS_POSITIONS=False, BLOCK=32, WORDS=0)),
-    "select_tree": (select_tree_kernel, sig(
-        "tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_ptr:*u8",
-        "mask_ptr:*u8", "num_nodes_ptr:*i64", "scratch_ptr:*i32", "top_vals_ptr:*fp32",
-        "top_ids_ptr:*i64", "root_tokens_ptr:*i64", BUDGET=16, MAX_DEPTH=15, TOPK=16,
-        BLOCK=32, RANK_BITS=5, MASK_ROWS=128)),
+    "select_tree": (select_tree_kernel, sig(*SELECT_TREE, BUDGET=16, MAX_DEPTH=15, TOPK=16,
+                                            BLOCK=32, RANK_BITS=5, MASK_ROWS=128)),
     "select_tree_wide": (select_tree_kernel, sig(  # budget 511: preorder sums over 512 lanes
-        "tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_ptr:*u8",
-        "mask_ptr:*u8", "num_nodes_ptr:*i64", "scratch_ptr:*i32", "top_vals_ptr:*fp32",
-        "top_ids_ptr:*i64", "root_tokens_ptr:*i64", BUDGET=511, MAX_DEPTH=15, TOPK=16,
-        BLOCK=512, RANK_BITS=9, MASK_ROWS=8)),
+        *SELECT_TREE, BUDGET=511, MAX_DEPTH=15, TOPK=16, BLOCK=512, RANK_BITS=9, MASK_ROWS=8)),
     "walk_tree": (walk_tree_kernel, sig(
         "accepted_ptr:*i64", "num_accepted_ptr:*i64", "bonus_ptr:*i64", "output_ptr:*i64",
         "tokens_ptr:*i64", "parents_ptr:*i64", "valid_ptr:*u8", "target_ptr:*i64", "n:i32",
