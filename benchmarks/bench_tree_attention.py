@@ -10,7 +10,10 @@ paged KV with 16-token pages). Timed, as CUDA-graph replays (median):
 - split: what the FLASH_ATTN backend runs (ddtree_prefix_attention "flash_attn"): FA3
          non-causal over each prefix alone, returning its LSE, then the tree kernel
          over the tree keys from that partial result (needs --fa3-so too); its output
-         is checked against the tree kernel's;
+         is checked against the tree kernel's. Its plan is made once, as a step's
+         layers share it, so where the tree pass walks each query tile's listed keys
+         (tile_keys_triton.py) their listing, once per step, is timed on its own
+         (`lists ms`);
 - sdpa:  torch SDPA, flash backend, contiguous K/V, non-causal (torch's flash causal
          mask is top-left aligned, which would skip the prefix); GQA via enable_gqa.
 Prints a table and writes JSON (--out). ``--sweep`` also times other tile configs of
@@ -248,6 +251,7 @@ def split_call(case: Case, q, seq_lens, cu_q, packed, n: int, seq: int, fa3, out
                           prefix_lens, case.block_table, n, seq, case.scale, causal=False)
         launch_tree_attention(plan, q, case.key_cache, case.value_cache, out, lse)
 
+    split.plan = plan  # made once, as a step's layers share it (key lists included)
     return split
 
 
@@ -259,6 +263,13 @@ def time_split(case: Case, q, seq_lens, cu_q, packed, n: int, seq: int, fa3, tre
     split()
     row["split_max_diff"] = (split_out.float() - tree_out.float()).abs().max().item()
     row["split_ms"] = bench(split, args.rep_ms)
+    plan = split.plan
+    if plan.tile_keys is not None:  # made once per step for all layers: not in split_ms
+        from vllm_ddtree.attention.tile_keys_triton import list_tile_keys
+
+        tokens, tiles = plan.constexprs["TOKENS_PER_TILE"], plan.grid[0]
+        row["key_lists_ms"] = bench(lambda: list_tile_keys(packed, cu_q, tokens, tiles),
+                                    args.rep_ms)
     row["split_over_fa3"] = row["split_ms"] / row["fa3_ms"]
     row["best_over_fa3"] = min(row["tree_ms"], row["split_ms"]) / row["fa3_ms"]
 
@@ -284,7 +295,7 @@ def time_sdpa(q, k, v, scale: float, rep_ms: int) -> tuple[float | None, str]:
 
 HEADER = (f"{'ctx':>6} {'batch':>5} {'B':>4} {'splits':>6} {'tree ms':>9} {'split ms':>9} "
           f"{'fa3 ms':>9} {'sdpa ms':>9} {'tree/fa3':>8} {'split/fa3':>9} {'tree/sdpa':>9} "
-          f"{'TFLOP/s':>8} {'TB/s':>6}")
+          f"{'TFLOP/s':>8} {'TB/s':>6} {'lists ms':>8}")
 
 
 def format_row(r: dict) -> str:
@@ -296,7 +307,8 @@ def format_row(r: dict) -> str:
         f"{f('tree_ms', '9.4f'):>9} {f('split_ms', '9.4f'):>9} {f('fa3_ms', '9.4f'):>9} "
         f"{f('sdpa_ms', '9.4f'):>9} {f('tree_over_fa3', '8.2f'):>8} "
         f"{f('split_over_fa3', '9.2f'):>9} {f('tree_over_sdpa', '9.2f'):>9} "
-        f"{f('tree_tflops', '8.1f'):>8} {f('tree_tbps', '6.2f'):>6}"
+        f"{f('tree_tflops', '8.1f'):>8} {f('tree_tbps', '6.2f'):>6} "
+        f"{f('key_lists_ms', '8.4f'):>8}"
     )
 
 

@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 
 from tests.triton_utils import KernelRecorder
 from vllm_ddtree.attention.kv_move_triton import compact_kv_kernel
+from vllm_ddtree.attention.tile_keys_triton import list_tile_keys_kernel
 from vllm_ddtree.attention.triton_tree import tree_attention_kernel
 from vllm_ddtree.compact_rows_triton import (
     chain_positions_kernel,
@@ -60,33 +61,39 @@ COMPACT_STEP_C = {"PAGE_SIZE": 16, "NUM_KV_HEADS": 8, "HEADS_PAD": 8, "KV_ROW": 
 TREE_ATTENTION = ("out_ptr:*bf16", "part_out_ptr:*fp32", "part_lse_ptr:*fp32",
                   "prefix_lse_ptr:*fp32", "query_ptr:*bf16", "key_cache_ptr:*bf16",
                   "value_cache_ptr:*bf16", "block_table_ptr:*i32", "seq_lens_ptr:*i32",
-                  "query_start_loc_ptr:*i32", "mask_ptr:*i32", "qk_scale:fp32",
+                  "query_start_loc_ptr:*i32", "mask_ptr:*i32", "tile_keys_ptr:*i16",
+                  "tile_key_counts_ptr:*i32", "qk_scale:fp32",
                   "num_reqs:i32", "num_tokens:i32", "num_splits:i32",
                   *(f"{name}:i32" for name in (
                       "query_stride_t", "query_stride_h", "out_stride_t", "out_stride_h",
                       "lse_stride_h", "lse_stride_t", "k_stride_b", "k_stride_s",
                       "k_stride_h", "v_stride_b", "v_stride_s", "v_stride_h",
-                      "block_table_stride", "mask_stride_r", "mask_stride_q")))
+                      "block_table_stride", "mask_stride_r", "mask_stride_q", "tile_keys_stride")))
 
 
 def tree_attention_sig(**constexprs) -> tuple[dict, dict]:
     """The tree-attention kernel's signature, its constants in the kernel's order."""
     fixed = {"NUM_KV_HEADS": 8, "GROUP": 4, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128,
              "PAGE_SIZE": 16, "BLOCK_M": None, "BLOCK_N": None, "TOKENS_PER_TILE": None,
-             "HAS_MASK": True, "SPLIT": None, "PREFIX_GIVEN": None, "MASK_WORDS": None,
-             "TILE_BITS": None, "DOT_PRECISION": "tf32"}
+             "HAS_MASK": True, "SPLIT": None, "PREFIX_GIVEN": None, "KEY_LISTS": None,
+             "DOT_PRECISION": "tf32"}
     return sig(*TREE_ATTENTION, **{k: constexprs.get(k, v) for k, v in fixed.items()})
 
 
 CASES = {
     # As plan_tree_attention launches it: B=256 with FlashAttention over the prefix
-    # (mask rows preloaded), and B=16 over prefix and tree with KV splits.
+    # (each query tile's listed keys), and B=16 over prefix and tree with KV splits;
+    # the key lists of B=511 (17 mask words, 1024-bit rows).
     "tree_attention_prefix_given": (tree_attention_kernel, tree_attention_sig(
         BLOCK_M=64, BLOCK_N=16, TOKENS_PER_TILE=16,
-        SPLIT=False, PREFIX_GIVEN=True, MASK_WORDS=16, TILE_BITS=0xFFFF)),
+        SPLIT=False, PREFIX_GIVEN=True, KEY_LISTS=True)),
     "tree_attention_split": (tree_attention_kernel, tree_attention_sig(
         BLOCK_M=64, BLOCK_N=64, TOKENS_PER_TILE=16,
-        SPLIT=True, PREFIX_GIVEN=False, MASK_WORDS=0, TILE_BITS=-1)),
+        SPLIT=True, PREFIX_GIVEN=False, KEY_LISTS=False)),
+    "list_tile_keys": (list_tile_keys_kernel, sig(
+        "keys_ptr:*i16", "counts_ptr:*i32", "mask_ptr:*i32", "query_start_loc_ptr:*i32",
+        "mask_stride_r:i32", "mask_stride_q:i32", "num_words:i32",
+        TOKENS_PER_TILE=16, TOKENS_PAD=16, MASK_WORDS=32)),
     "count_ties": (count_ties_kernel, sig(
         "rows_ptr:*fp32", "vals_ptr:*fp32", "counts_ptr:*i32", "vocab:i32", "floor:fp32",
         "num_blocks:i32", K=16, TAKEN=17, BLOCK=4096)),

@@ -29,6 +29,7 @@ from vllm_ddtree.attention.reference import (
     tree_attention_reference,
     write_kv_to_cache,
 )
+from vllm_ddtree.attention.tile_keys_triton import list_tile_keys_reference
 from vllm_ddtree.attention.tree_attention_plan import (
     LIGHT_TILES_MAX_SEQ,
     pick_prefix_given_config,
@@ -503,12 +504,26 @@ def test_prefix_given_takes_small_tiles():
         assert (plan.constexprs["BLOCK_M"], plan.constexprs["BLOCK_N"]) == (
             picked.block_m, picked.block_n)
         assert picked.block_n <= 32 and picked.num_stages == 1
-        assert plan.constexprs["MASK_WORDS"] == 4  # 65 keys: 3 words, loaded once
+        # Key tiles of at most one mask word walk each query tile's listed keys,
+        # listed once for the step's layers (the twin's lists, for the plan's tiles).
+        assert plan.constexprs["KEY_LISTS"] and plan.tile_keys.shape[2] == 128
+        tokens = picked.block_m // 4
+        tiles = plan.grid[0]
+        want_keys, want_counts = list_tile_keys_reference(
+            pack_tree_mask(mask[:reqs]), batch.query_start_loc[: reqs + 1], tokens, tiles)
+        assert torch.equal(plan.tile_key_counts.cpu(), want_counts.cpu())
+        assert torch.equal(plan.tile_keys.cpu(), want_keys.cpu())
     whole = plan_tree_attention(
         batch.query, batch.key_cache, batch.value_cache, batch.block_table,
         batch.seq_lens, batch.query_start_loc, mask, SCALE, config=TileConfig(128, 128, 8, 3),
     )
-    assert whole.constexprs["MASK_WORDS"] == 0  # 128-key tiles span words: read per tile
+    assert not whole.constexprs["KEY_LISTS"] and whole.tile_keys is None  # per key tile
+    one_tile = plan_tree_attention(  # 17 keys, one 32-key tile: read as it is
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+        batch.seq_lens, batch.query_start_loc, mask[:, :17, :17], SCALE,
+        max_query_len=17, config=TileConfig(64, 32, 4, 1),
+    )
+    assert not one_tile.constexprs["KEY_LISTS"]
     assert pick_prefix_given_config(128, 4, BF16, 65, 8, 132) == TileConfig(32, 32, 4, 1)
     # The whole kernel at a small grid: light tiles up to 128 rows, and up to 512 in 2
     # stages where the keys are known to be few; heavy tiles otherwise.

@@ -16,6 +16,7 @@ import torch
 import triton
 
 from vllm_ddtree.attention.reference import BITS_PER_WORD, pack_tree_mask
+from vllm_ddtree.attention.tile_keys_triton import list_tile_keys
 from vllm_ddtree.triton_device import require_triton_device
 
 __all__ = [
@@ -34,7 +35,6 @@ LOG2_E = 1.4426950408889634
 MIN_SPLIT_KEYS = 256  # a KV split shorter than this costs more to merge than it saves
 MAX_SPLITS = 64
 WAVES = 2  # split until about this many programs per SM
-MAX_PRELOADED_WORDS = 4096  # a program's mask words held at once (preload_mask_words)
 LIGHT_TILES_MAX_SEQ = 8192  # past this the light tiles' extra prefix reads cost more (pick_tile_config)
 
 
@@ -60,12 +60,16 @@ class TreeAttentionPlan:
     part_out: torch.Tensor | None  # [num_splits, num_tokens, num_heads, head_dim] float32
     part_lse: torch.Tensor | None  # [num_splits, num_tokens, num_heads] float32
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
-    step_args: tuple  # block table, seq lens, query_start_loc, mask and the scalars after them
-    stride_args: tuple  # K, V, block-table and mask strides (query's and out's: per launch)
+    step_args: tuple  # block table, seq lens, query_start_loc, mask, key lists, scalars
+    stride_args: tuple  # K, V, block-table, mask and key-list strides (query's, out's: per launch)
     constexprs: dict
     # ``out`` comes holding the prefix's attention and the launch brings its LSE
     # (FlashAttention over the prefix): the kernel attends to the tree keys only.
     prefix_given: bool = False
+    # Each query tile's visible tree keys (tile_keys_triton.py), listed when the plan
+    # is made (key tiles of <= 32 keys with a mask): the plan belongs to one step.
+    tile_keys: torch.Tensor | None = None  # [num_reqs, num_q_tiles, K] int16
+    tile_key_counts: torch.Tensor | None = None  # [num_reqs, num_q_tiles] int32
 
 
 def plan_signature(
@@ -153,7 +157,11 @@ def plan_tree_attention(
         part_lse = torch.empty(
             num_splits, num_tokens, num_heads, dtype=torch.float32, device=query.device
         )
-    mask_words = preload_mask_words(mask, config)
+    tile_keys = tile_key_counts = None
+    if uses_key_lists(mask, config):
+        tile_keys, tile_key_counts = list_tile_keys(
+            mask, query_start_loc, tokens_per_tile, num_q_tiles
+        )
     mask_arg = mask if mask is not None else seq_lens  # unused without a mask
     mask_strides = mask.stride()[:2] if mask is not None else (0, 0)
     return TreeAttentionPlan(
@@ -166,10 +174,13 @@ def plan_tree_attention(
         part_out=part_out,
         part_lse=part_lse,
         query_start_loc=query_start_loc,
-        step_args=(block_table, seq_lens, query_start_loc, mask_arg, scale * LOG2_E,
-                   num_reqs, num_tokens, num_splits),
+        step_args=(block_table, seq_lens, query_start_loc, mask_arg,
+                   seq_lens if tile_keys is None else tile_keys,  # unused without lists
+                   seq_lens if tile_key_counts is None else tile_key_counts,
+                   scale * LOG2_E, num_reqs, num_tokens, num_splits),
         stride_args=(*key_cache.stride()[:3], *value_cache.stride()[:3],
-                     block_table.stride(0), *mask_strides),
+                     block_table.stride(0), *mask_strides,
+                     0 if tile_keys is None else tile_keys.stride(1)),
         constexprs={
             "NUM_KV_HEADS": num_kv_heads,
             "GROUP": group,
@@ -182,24 +193,26 @@ def plan_tree_attention(
             "HAS_MASK": mask is not None,
             "SPLIT": num_splits > 1,
             "PREFIX_GIVEN": prefix_given,
-            "MASK_WORDS": mask_words,
-            "TILE_BITS": -1 if config.block_n == BITS_PER_WORD else (1 << config.block_n) - 1,
+            "KEY_LISTS": tile_keys is not None,
             "DOT_PRECISION": "tf32x3" if query.dtype == torch.float32 else "tf32",
             "num_warps": config.num_warps,
             "num_stages": config.num_stages,
         },
         prefix_given=prefix_given,
+        tile_keys=tile_keys,
+        tile_key_counts=tile_key_counts,
     )
 
 
-def preload_mask_words(mask: torch.Tensor | None, config: TileConfig) -> int:
-    """Mask words per row a program loads once, before its key tiles (0: it loads a
-    word per key inside each tile instead): when a key tile lies within one word and
-    the tile's rows x words stay small."""
-    if mask is None or config.block_n > BITS_PER_WORD:
-        return 0
-    words = triton.next_power_of_2(-(-mask.shape[1] // BITS_PER_WORD))
-    return words if config.block_m * words <= MAX_PRELOADED_WORDS else 0
+def uses_key_lists(mask: torch.Tensor | None, config: TileConfig) -> bool:
+    """Whether the kernel walks each query tile's listed keys (list_tile_keys) rather
+    than the tree's key tiles: key tiles of at most one mask word, with a mask wider
+    than one tile (a tree in one key tile is read fastest as it is: 1.15-1.2x as
+    long through a list at budget 16 on the H200, bench_tree_attention.py)."""
+    return (
+        mask is not None and config.block_n <= BITS_PER_WORD
+        and mask.shape[1] > config.block_n
+    )
 
 
 def pick_prefix_given_config(

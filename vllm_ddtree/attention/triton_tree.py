@@ -14,9 +14,9 @@ Kernel design (one program per query tile x KV head x KV split):
   partial tile is bounded. Keys ``[prefix, seq_len)`` are the tree: a tile no row can
   see (the upper triangle of a tree whose parents precede their children, and most of
   the rest, as a row sees only its ancestors) is skipped before any K/V load. With key
-  tiles of at most 32 keys (one mask word each: the prefix-given tiles) a program loads
-  its rows' mask words once and decides each tile from registers; wider tiles read
-  their rows' words tile by tile.
+  tiles of at most 32 keys (the prefix-given tiles) a program walks instead the list of
+  tree keys its rows see (tile_keys_triton.py, made with the plan), ``BLOCK_N`` at a
+  time: fewer steps, as a tile's rows share few keys, spread over the tree.
 - Online softmax in float32 with ``exp2``; scale * log2(e) rides in the exp2's FFMA.
 - Split-KV (flash-decoding): when requests x KV heads x query tiles cannot fill the SMs
   (batch 1, long prefix), each request's prefix is cut into ``num_splits`` chunks and its
@@ -214,6 +214,8 @@ def tree_attention_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
     mask_ptr,  # [num_reqs, max_q, num_words] int32 (HAS_MASK)
+    tile_keys_ptr,  # [num_reqs, num_q_tiles, key row] int16 (KEY_LISTS)
+    tile_key_counts_ptr,  # [num_reqs, num_q_tiles] int32 (KEY_LISTS)
     qk_scale,  # softmax scale * log2(e)
     num_reqs,
     num_tokens,
@@ -233,6 +235,7 @@ def tree_attention_kernel(
     block_table_stride,
     mask_stride_r,
     mask_stride_q,
+    tile_keys_stride,  # a tile's key list row (KEY_LISTS)
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -244,8 +247,7 @@ def tree_attention_kernel(
     HAS_MASK: tl.constexpr,
     SPLIT: tl.constexpr,
     PREFIX_GIVEN: tl.constexpr,  # out holds the prefix's attention, its LSE given
-    MASK_WORDS: tl.constexpr,  # > 0: a tile row's mask words, loaded once (pow2)
-    TILE_BITS: tl.constexpr,  # (1 << BLOCK_N) - 1 as int32 (BLOCK_N <= 32; MASK_WORDS)
+    KEY_LISTS: tl.constexpr,  # walk the tile's listed tree keys, not the key tiles
     DOT_PRECISION: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
@@ -293,9 +295,6 @@ def tree_attention_kernel(
         other=0.0,
     )
     block_table_row = block_table_ptr + req.to(tl.int64) * block_table_stride
-    out_ptrs = (
-        out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + offs_d[None, :]
-    )
     if PREFIX_GIVEN:
         # Resume from the prefix's softmax: sum_k 2^(s_k) = 2^m with l = 1, acc = o.
         lse = tl.load(
@@ -306,7 +305,12 @@ def tree_attention_kernel(
         has_prefix = (lse != float("inf")) & (lse != float("-inf"))  # FA: +inf if empty
         m_i = tl.where(has_prefix, lse * 1.4426950408889634, -1.0e30)
         l_i = tl.where(has_prefix, 1.0, 0.0)
-        o_prefix = tl.load(out_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        o_prefix = tl.load(
+            out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h
+            + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         acc = tl.where(has_prefix[:, None], o_prefix.to(tl.float32), 0.0)
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -340,28 +344,36 @@ def tree_attention_kernel(
 
     # Tree: verify tokens j = 0 .. num_queries - 1, tiles dealt round-robin to splits.
     request_mask = mask_ptr + req.to(tl.int64) * mask_stride_r
-    if MASK_WORDS > 0:
-        # Key tiles within one mask word: the rows' whole mask rows come in one load,
-        # and their OR says which tiles any row sees, with no load inside the loop.
-        word_idx = tl.arange(0, MASK_WORDS)
-        row_words = tl.load(
-            request_mask + qi[:, None] * mask_stride_q + word_idx[None, :],
-            mask=row_ok[:, None] & (word_idx[None, :] < tl.cdiv(num_queries, 32)),
-            other=0,
-        )
-        seen_words = tl.reduce(row_words, 0, _bit_or)  # [MASK_WORDS]
-    for tile in range(split, tl.cdiv(num_queries, BLOCK_N), num_splits):
-        j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        j_ok = j < num_queries
-        both_ok = row_ok[:, None] & j_ok[None, :]
-        if MASK_WORDS > 0:
-            tile_word = (tile * BLOCK_N) // 32
-            words = tl.sum(tl.where(word_idx[None, :] == tile_word, row_words, 0), 1)
-            visible = both_ok & (((words[:, None] >> (j[None, :] & 31)) & 1) != 0)
-            seen = tl.sum(tl.where(word_idx == tile_word, seen_words, 0), 0)
-            seen = (seen >> ((tile * BLOCK_N) & 31)) & TILE_BITS
-            attend = seen != 0
-        else:
+    if KEY_LISTS:
+        # The keys some row of this tile sees, in increasing order (list_tile_keys,
+        # once per step): chunks of them, not the tree's key tiles, most of whose
+        # keys no row of the tile sees.
+        tile_row = req * tl.num_programs(0) + pid_q
+        num_seen = tl.load(tile_key_counts_ptr + tile_row)
+        tile_keys = tile_keys_ptr + tile_row.to(tl.int64) * tile_keys_stride
+        slot = tl.arange(0, BLOCK_N)
+        for chunk in range(split, tl.cdiv(num_seen, BLOCK_N), num_splits):
+            j_ok = chunk * BLOCK_N + slot < num_seen
+            j = tl.load(tile_keys + chunk * BLOCK_N + slot, mask=j_ok, other=0).to(tl.int32)
+            both_ok = row_ok[:, None] & j_ok[None, :]
+            words = tl.load(
+                request_mask + qi[:, None] * mask_stride_q + (j[None, :] >> 5),
+                mask=both_ok,
+                other=0,
+            )
+            visible = both_ok & (((words >> (j[None, :] & 31)) & 1) != 0)
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, prefix_len + j, j_ok, visible, kv_head, qk_scale,
+                key_cache_ptr, value_cache_ptr, block_table_row,
+                k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+                offs_d, d_ok,
+                HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, True, DOT_PRECISION,
+            )
+    else:
+        for tile in range(split, tl.cdiv(num_queries, BLOCK_N), num_splits):
+            j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            j_ok = j < num_queries
+            both_ok = row_ok[:, None] & j_ok[None, :]
             if HAS_MASK:
                 words = tl.load(
                     request_mask + qi[:, None] * mask_stride_q + (j[None, :] >> 5),
@@ -371,15 +383,14 @@ def tree_attention_kernel(
                 visible = both_ok & (((words >> (j[None, :] & 31)) & 1) != 0)
             else:
                 visible = both_ok & (j[None, :] <= qi[:, None])
-            attend = tl.sum(tl.sum(visible.to(tl.int32), 1), 0) > 0
-        if attend:
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, prefix_len + j, j_ok, visible, kv_head, qk_scale,
-                key_cache_ptr, value_cache_ptr, block_table_row,
-            k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
-            offs_d, d_ok,
-                HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, True, DOT_PRECISION,
-            )
+            if tl.sum(tl.sum(visible.to(tl.int32), 1), 0) > 0:
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, prefix_len + j, j_ok, visible, kv_head, qk_scale,
+                    key_cache_ptr, value_cache_ptr, block_table_row,
+                    k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h,
+                    offs_d, d_ok,
+                    HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, True, DOT_PRECISION,
+                )
 
     store_ok = row_ok[:, None] & d_ok[None, :]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -392,12 +403,13 @@ def tree_attention_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
     else:
+        # Formed again here, not kept from the prefix load: a [BLOCK_M, HEAD_DIM_PAD]
+        # tensor of 64-bit pointers live across the loop costs registers (occupancy).
+        out_ptrs = (
+            out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h
+            + offs_d[None, :]
+        )
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_ok)
-
-
-@triton.jit
-def _bit_or(a, b):
-    return a | b
 
 
 @triton.jit
