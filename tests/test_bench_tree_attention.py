@@ -31,3 +31,22 @@ def test_random_trees_come_in_the_plugins_layout_unless_told():
     for i in range(1, 200):
         parent = max(torch.nonzero(preorder[i, :i]).flatten().tolist())
         assert preorder[i - 1, parent]  # preorder: under the node before
+
+
+def test_query_tiles_see_few_of_the_bench_trees_keys():
+    """What the key lists (attention/tile_keys_triton.py) buy on the bench's trees,
+    as README.md states it: at budget 256, a 16-token query tile's rows see about 22
+    of the 257 tree keys, over 3-4 of the seventeen 16-key tiles, so one or two
+    16-key steps cover them."""
+    from vllm_ddtree.attention.reference import pack_tree_mask
+    from vllm_ddtree.attention.tile_keys_triton import list_tile_keys_reference
+
+    n = 257
+    mask = bench.random_tree_mask(n, 15, seed=256)  # run_case's seed: the budget
+    num_tiles = -(-n // 16)
+    keys, counts = list_tile_keys_reference(
+        pack_tree_mask(mask[None]), torch.tensor([0, n], dtype=torch.int32), 16, num_tiles)
+    tiles = [len({int(j) // 16 for j in keys[0, t, : int(counts[0, t])]})
+             for t in range(num_tiles)]
+    assert 19 <= counts.float().mean() <= 24 and int(counts.max()) <= 32
+    assert 3 <= sum(tiles) / num_tiles <= 4

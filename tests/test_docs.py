@@ -217,3 +217,20 @@ def test_readme_tree_attention_table_is_the_results_file():
     within = sum(min(r["tree_ms"], r["split_ms"]) <= 1.2 * r["fa3_ms"] for r in results.values())
     claimed = re.search(r"within the 1\.2x target on \*\*(\d+) of (\d+)\*\*", README)
     assert (int(claimed[1]), int(claimed[2])) == (within, len(results))
+
+
+def test_bench_readme_key_lists_table_is_the_results_file():
+    """benchmarks/README.md's key-list A/B rows and its 48-against-46 count are the
+    two tables of the file it names (split ms, new and old, and their ratio)."""
+    runs = json.loads((RESULTS / "tree_attention_key_lists_ab_h200.json").read_text())["runs"]
+    tables = {name: {(r["context"], r["batch"], r["budget"]): r for r in run["results"]}
+              for name, run in runs.items()}
+    rows = block_after(BENCH_README, "   ctx batch    B      new      old   new/old")
+    assert len(rows) >= 6
+    for ctx, batch, budget, new, old, ratio in rows:
+        n, o = (tables[t][int(ctx), int(batch), int(budget)]["split_ms"] for t in ("new", "old"))
+        assert [new, old, ratio] == [f"{n:.4f}", f"{o:.4f}", f"{n / o:.2f}"]
+    within = {t: sum(r["best_over_fa3"] <= 1.2 for r in table.values())
+              for t, table in tables.items()}
+    assert f"within 1.2x of FA3: {within['new']} of 48 against {within['old']}" in (
+        " ".join(BENCH_README.split()))

@@ -228,8 +228,9 @@ def pick_prefix_given_config(
     budget + 1 keys, most of them hidden from a row, in one pass (one stage). From an
     H200 sweep (``bench_tree_attention.py --split-sweep``, benchmarks/README.md):
     32 rows x 32 keys when at most a quarter of the SMs get a (request, KV head); 64
-    rows beyond, with 16-key tiles for trees over 32 rows (more hidden tiles skipped).
-    16-bit, head_dim <= 128; otherwise pick_tile_config's."""
+    rows beyond, with 16-key tiles for trees over 32 rows (then walked as each query
+    tile's listed keys, 16 at a time: still the fastest of the configs timed with the
+    lists, 2026-12-01). 16-bit, head_dim <= 128; otherwise pick_tile_config's."""
     if dtype == torch.float32 or triton.next_power_of_2(head_dim) > 128:
         return pick_tile_config(head_dim, group, dtype, max_query_len, num_pairs, num_sms,
                                 max_seq_len=max_seq_len)
