@@ -4,7 +4,7 @@ A verify row sees only its ancestors, so the rows of one query tile (a run of
 consecutive verify tokens) share few tree keys, scattered over the tree. The
 tree kernel (triton_tree.py) walks each tile's keys in chunks of ``BLOCK_N``
 taken from this list instead of the tree's own key tiles: at budget 256 with
-16-token tiles a tile's rows see about 21 keys spread over 3-4 of the tree's 17
+16-token tiles a tile's rows see about 22 keys spread over 3-4 of the tree's 17
 key tiles (the random trees of bench_tree_attention.py), which fit one or two
 chunks. The list depends on the masks and the tiling alone, so a step's layers
 (and KV heads) share one made by the plan (tree_attention_plan.py).

@@ -207,8 +207,8 @@ def plan_tree_attention(
 def uses_key_lists(mask: torch.Tensor | None, config: TileConfig) -> bool:
     """Whether the kernel walks each query tile's listed keys (list_tile_keys) rather
     than the tree's key tiles: key tiles of at most one mask word, with a mask wider
-    than one tile (a tree in one key tile is read fastest as it is: 1.15-1.2x as
-    long through a list at budget 16 on the H200, bench_tree_attention.py)."""
+    than one tile (a tree in one key tile is read as it is: a list saves no step
+    there, and its indirect loads cost time)."""
     return (
         mask is not None and config.block_n <= BITS_PER_WORD
         and mask.shape[1] > config.block_n

@@ -295,6 +295,9 @@ def tree_attention_kernel(
         other=0.0,
     )
     block_table_row = block_table_ptr + req.to(tl.int64) * block_table_stride
+    out_ptrs = (
+        out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h + offs_d[None, :]
+    )
     if PREFIX_GIVEN:
         # Resume from the prefix's softmax: sum_k 2^(s_k) = 2^m with l = 1, acc = o.
         lse = tl.load(
@@ -305,12 +308,7 @@ def tree_attention_kernel(
         has_prefix = (lse != float("inf")) & (lse != float("-inf"))  # FA: +inf if empty
         m_i = tl.where(has_prefix, lse * 1.4426950408889634, -1.0e30)
         l_i = tl.where(has_prefix, 1.0, 0.0)
-        o_prefix = tl.load(
-            out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h
-            + offs_d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        o_prefix = tl.load(out_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         acc = tl.where(has_prefix[:, None], o_prefix.to(tl.float32), 0.0)
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -355,13 +353,7 @@ def tree_attention_kernel(
         for chunk in range(split, tl.cdiv(num_seen, BLOCK_N), num_splits):
             j_ok = chunk * BLOCK_N + slot < num_seen
             j = tl.load(tile_keys + chunk * BLOCK_N + slot, mask=j_ok, other=0).to(tl.int32)
-            both_ok = row_ok[:, None] & j_ok[None, :]
-            words = tl.load(
-                request_mask + qi[:, None] * mask_stride_q + (j[None, :] >> 5),
-                mask=both_ok,
-                other=0,
-            )
-            visible = both_ok & (((words >> (j[None, :] & 31)) & 1) != 0)
+            visible = _visible(request_mask, mask_stride_q, qi, j, row_ok[:, None] & j_ok[None, :])
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, prefix_len + j, j_ok, visible, kv_head, qk_scale,
                 key_cache_ptr, value_cache_ptr, block_table_row,
@@ -375,12 +367,7 @@ def tree_attention_kernel(
             j_ok = j < num_queries
             both_ok = row_ok[:, None] & j_ok[None, :]
             if HAS_MASK:
-                words = tl.load(
-                    request_mask + qi[:, None] * mask_stride_q + (j[None, :] >> 5),
-                    mask=both_ok,
-                    other=0,
-                )
-                visible = both_ok & (((words >> (j[None, :] & 31)) & 1) != 0)
+                visible = _visible(request_mask, mask_stride_q, qi, j, both_ok)
             else:
                 visible = both_ok & (j[None, :] <= qi[:, None])
             if tl.sum(tl.sum(visible.to(tl.int32), 1), 0) > 0:
@@ -403,13 +390,22 @@ def tree_attention_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
     else:
-        # Formed again here, not kept from the prefix load: a [BLOCK_M, HEAD_DIM_PAD]
-        # tensor of 64-bit pointers live across the loop costs registers (occupancy).
-        out_ptrs = (
-            out_ptr + token[:, None] * out_stride_t + head[:, None] * out_stride_h
-            + offs_d[None, :]
-        )
         tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=store_ok)
+
+
+@triton.jit
+def _visible(
+    request_mask,  # [max_q, num_words] int32, this request's packed mask
+    mask_stride_q,
+    qi,  # [BLOCK_M] verify token of each row
+    j,  # [BLOCK_N] verify token of each key
+    both_ok,  # [BLOCK_M, BLOCK_N] row and key in range
+):
+    """[BLOCK_M, BLOCK_N]: row qi sees key j (bit j % 32 of its word j // 32)."""
+    words = tl.load(
+        request_mask + qi[:, None] * mask_stride_q + (j[None, :] >> 5), mask=both_ok, other=0
+    )
+    return both_ok & (((words >> (j[None, :] & 31)) & 1) != 0)
 
 
 @triton.jit
