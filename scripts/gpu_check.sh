@@ -3,7 +3,7 @@
 # call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md; build the kit
 # here with scripts/gpu_kit.sh, whose chunks fit a call beside the repository):
 #   bash scripts/gpu_check.sh [tests|bench|all|profile|e2e] [extra pytest args]
-# (GPU_TESTS names the test files, default tests/test_gpu_e2e.py; E2E_STEM the e2e
+# (GPU_TESTS names the test files, default the V1 and V2 e2e tests and the V2 interface; E2E_STEM the e2e
 # results' file name.)
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
 # the step-cost benchmark (BENCH_ARGS) or its profile (PROFILE_ARGS), and keeps logs and results under $OUT (or
@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -rA -p no:cacheprovider -n "${WORKERS:-8}" \
-    ${GPU_TESTS:-tests/test_gpu_e2e.py} "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -v "^INFO\|^(EngineCore" | tail -60
+    ${GPU_TESTS:-tests/test_gpu_e2e.py tests/test_gpu_e2e_v2.py tests/test_v2_interface.py} "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -v "^INFO\|^(EngineCore" | tail -60
   rc=${PIPESTATUS[0]}
   echo "gpu tests exit code: $rc"
 fi

@@ -97,6 +97,11 @@ def install(
     _install_plugin(monkeypatch, tmp_dir)
     monkeypatch.setenv(ENV, str(script))
     monkeypatch.setattr(DDTreeProposer, "_sample_draft_tokens", _scripted_sampler(script))
+    speculator = _v2_speculator()
+    if speculator is not None:  # vLLM 0.33 on CUDA: the V2 runner's drafter too
+        monkeypatch.setattr(speculator, "draft_logprobs", _scripted_v2_logprobs(script))
+        monkeypatch.setattr(speculator, "init_cudagraph_manager", _eager_draft_graphs(
+            speculator.init_cudagraph_manager))
 
 
 def install_tree_log(monkeypatch, tmp_dir: Path) -> Path:
@@ -134,6 +139,68 @@ def plugin() -> None:
         )
     if os.environ.get(ENV):
         DDTreeProposer._sample_draft_tokens = _scripted_sampler(Path(os.environ[ENV]))
+        speculator = _v2_speculator()
+        if speculator is not None and not hasattr(speculator.draft_logprobs, "scripted"):
+            speculator.draft_logprobs = _scripted_v2_logprobs(Path(os.environ[ENV]))
+            speculator.init_cudagraph_manager = _eager_draft_graphs(
+                speculator.init_cudagraph_manager)
+
+
+def _v2_speculator():
+    """The V2 runner's DDTree speculator class where DDTree can run on that runner
+    (vLLM 0.33; runner_v2.py), else None."""
+    import vllm
+
+    if not vllm.__version__.startswith("0.33."):
+        return None
+    try:
+        from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+    except ImportError:
+        return None
+    return DDTreeSpeculator
+
+
+def _eager_draft_graphs(original):
+    """The scripted distributions are made on the host, which a CUDA graph cannot
+    replay: the V2 drafter runs eagerly (the target keeps its graphs)."""
+
+    def init_cudagraph_manager(self, cudagraph_mode):
+        from vllm.config.compilation import CUDAGraphMode
+
+        return original(self, CUDAGraphMode.NONE)
+
+    return init_cudagraph_manager
+
+
+def _scripted_v2_logprobs(script_path: Path):
+    """DDTreeSpeculator.draft_logprobs that returns the script's distributions."""
+    script = json.loads(script_path.read_text())
+    references = {tuple(p): o for p, o in script["refs"]}
+    rank_rule = RULES[script["rule"]]
+
+    def draft_logprobs(self, hidden_states, num_reqs):
+        depth = self.ddtree.max_depth
+        vocab = self.ddtree.vocab_size
+        bonus_positions = self.input_buffers.positions[self._root_rows[:num_reqs]].tolist()
+        states = self.sample_idx_mapping[: num_reqs * depth : depth].tolist()
+        rows = []
+        for state, bonus_pos in zip(states, bonus_positions, strict=True):
+            full: list[int] = []
+            if state >= 0:
+                prompt_len = int(self.req_states.prompt_len.np[state])
+                prompt = tuple(self.req_states.all_token_ids.gpu[state, :prompt_len].tolist())
+                full = list(prompt) + references.get(prompt, [])
+            true = [
+                full[bonus_pos + d] if bonus_pos + d < len(full) else None
+                for d in range(1, depth + 1)
+            ]
+            rows.append(
+                scripted_logprobs(true, lambda d, pos=bonus_pos: rank_rule(pos, d), vocab)
+            )
+        return torch.stack(rows).to(hidden_states.device)
+
+    draft_logprobs.scripted = True
+    return draft_logprobs
 
 
 def _scripted_sampler(script_path: Path):

@@ -152,10 +152,12 @@ def test_async_scheduling_is_off_unless_asked_for(tiny_llama, drafter, monkeypat
     assert cfg.scheduler_config.async_scheduling is resolved
 
 
-def test_v2_model_runner_rejected(tiny_llama, drafter, monkeypatch):
+def test_v2_model_runner_needs_vllm_033_on_cuda(tiny_llama, drafter, monkeypatch):
+    """The V2 runner path (runner_v2.py) is vLLM 0.33's on CUDA; elsewhere asking for
+    it fails at config time, saying what it needs (tests/test_gpu_e2e_v2.py runs it)."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match=r"DDTree runs on vLLM's V1 model runner, but "
-                       r"VLLM_USE_V2_MODEL_RUNNER='1' asks for V2"):
+    with pytest.raises(ValueError, match=r"DDTree on vLLM's V2 model runner needs vLLM "
+                       r"0.33 on a CUDA GPU; VLLM_USE_V2_MODEL_RUNNER='1' asks for it"):
         engine_config(tiny_llama, ddtree(drafter))
 
 

@@ -35,6 +35,9 @@ def apply_all() -> None:
     #       once the KV cache is bound, tree inputs, tree attention metadata,
     #       compaction after the walk, tree ownership after drafting.
     _patch_model_runner()
+    # 12. The V2 model runner (vLLM 0.33 on GPU, with VLLM_USE_V2_MODEL_RUNNER=1):
+    #     patched in the worker that builds one (_patch_v2_model_runner).
+    _patch_worker_for_v2()
 
 
 def apply_version_guard(message: str) -> None:
@@ -76,20 +79,23 @@ def _patch_create_speculative_config() -> None:
                     f"method={spec.get('method')!r}."
                 )
             return orig(self, target_model_config, target_parallel_config)
-        # Async scheduling only when asked for (--async-scheduling): it runs through
-        # vLLM's V1 bookkeeping (drafts kept on the device, counts corrected a step
-        # late), which the compacted tree step meets as a chain step; in the H200
-        # runs it made DDTree no faster, so the default stays synchronous.
-        if self.async_scheduling is None:
-            self.async_scheduling = False
-        # DDTree runs on vLLM's V1 model runner (the CPU backend always does);
-        # on GPU vLLM would pick V2, which has none of the plugin's hooks.
-        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() in ("1", "true"):
-            raise ValueError(
-                "DDTree runs on vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER="
-                f"{os.environ['VLLM_USE_V2_MODEL_RUNNER']!r} asks for V2; unset it or set it to 0."
-            )
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        # DDTree runs on vLLM's V1 model runner (the CPU backend always does) unless
+        # VLLM_USE_V2_MODEL_RUNNER=1 asks for V2 (vLLM 0.33 on GPU; runner_v2.py).
+        if _wants_v2_runner():
+            if not _v2_runner_supported():
+                raise ValueError(
+                    "DDTree on vLLM's V2 model runner needs vLLM 0.33 on a CUDA GPU; "
+                    f"VLLM_USE_V2_MODEL_RUNNER={os.environ['VLLM_USE_V2_MODEL_RUNNER']!r} "
+                    "asks for it. Unset it or set it to 0 for the V1 runner."
+                )
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            # Async scheduling only when asked for (--async-scheduling) on V1: it runs
+            # through vLLM's V1 bookkeeping (drafts kept on the device, counts corrected
+            # a step late), which the compacted tree step meets as a chain step; in the
+            # H200 runs it made DDTree no faster, so the default stays synchronous.
+            if self.async_scheduling is None:
+                self.async_scheduling = False
 
         def build_dflash(dflash: dict[str, Any]) -> SpeculativeConfig:
             return SpeculativeConfig(
@@ -101,6 +107,17 @@ def _patch_create_speculative_config() -> None:
         return make_ddtree_speculative_config(spec, build_dflash)
 
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def _wants_v2_runner() -> bool:
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() in ("1", "true")
+
+
+def _v2_runner_supported() -> bool:
+    import vllm
+    from vllm.platforms import current_platform
+
+    return vllm.__version__.startswith("0.33.") and current_platform.is_cuda()
 
 
 def _patch_num_lookahead_tokens() -> None:
@@ -245,3 +262,88 @@ def _patch_model_runner() -> None:
     cls._sample = _sample
     cls.propose_draft_token_ids = propose_draft_token_ids
     cls._determine_batch_execution_and_padding = _determine_batch_execution_and_padding
+
+
+def _patch_worker_for_v2() -> None:
+    """Patch the V2 runner in the worker that is about to build one for DDTree, so
+    that no other process imports it."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if not hasattr(Worker, "_make_model_runner"):  # vLLM 0.32: DDTree runs on V1 only
+        return
+    orig = _orig["worker._make_model_runner"] = Worker._make_model_runner
+
+    def _make_model_runner(self):
+        if self.use_v2_model_runner and getattr(
+            self.vllm_config.speculative_config, "ddtree", None
+        ) is not None:
+            _patch_v2_model_runner()
+        return orig(self)
+
+    Worker._make_model_runner = _make_model_runner
+
+
+def _patch_v2_model_runner() -> None:
+    """The V2 runner's DDTree points (runner_v2.py). Idempotent."""
+    if "v2.__init__" in _orig:
+        return
+    from vllm.v1.worker.gpu import model_runner as v2
+
+    from vllm_ddtree import runner as ddtree_runner
+    from vllm_ddtree import runner_v2
+    from vllm_ddtree.sync import step_phase
+
+    cls = v2.GPUModelRunner
+    orig_init_speculator = _orig["v2.init_speculator"] = v2.init_speculator
+    orig_init = _orig["v2.__init__"] = cls.__init__
+    orig_load = _orig["v2.load_model"] = cls.load_model
+    orig_init_kv = _orig["v2.initialize_kv_cache"] = cls.initialize_kv_cache
+    orig_prepare_attn = _orig["v2.prepare_attn"] = cls.prepare_attn
+    orig_sample_tokens = _orig["v2.sample_tokens"] = cls.sample_tokens
+
+    def init_speculator(vllm_config, device, req_states):
+        if getattr(vllm_config.speculative_config, "ddtree", None) is None:
+            return orig_init_speculator(vllm_config, device, req_states)
+        from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+
+        return DDTreeSpeculator(vllm_config, device, req_states)
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        runner_v2.install(self)
+
+    def load_model(self, *args, **kwargs):
+        result = orig_load(self, *args, **kwargs)
+        if getattr(self, "ddtree_state", None) is not None:
+            runner_v2.after_load_model(self)
+        return result
+
+    def initialize_kv_cache(self, *args, **kwargs):
+        result = orig_init_kv(self, *args, **kwargs)
+        ddtree_runner.check_tree_backends(self)
+        ddtree_runner.warm_up_kernels(self)
+        return result
+
+    def prepare_attn(self, input_batch):
+        result = orig_prepare_attn(self, input_batch)
+        if getattr(self, "ddtree_state", None) is not None:
+            with step_phase("ddtree.begin_verify", self.device):
+                runner_v2.begin_verify_step(self, input_batch)
+        return result
+
+    def sample_tokens(self, *args, **kwargs):
+        state = getattr(self, "ddtree_state", None)
+        if state is None:
+            return orig_sample_tokens(self, *args, **kwargs)
+        state.exec_state = self.execute_model_state
+        try:
+            return orig_sample_tokens(self, *args, **kwargs)
+        finally:
+            state.exec_state = state.step = state.attn_info = None
+
+    v2.init_speculator = init_speculator
+    cls.__init__ = __init__
+    cls.load_model = load_model
+    cls.initialize_kv_cache = initialize_kv_cache
+    cls.prepare_attn = prepare_attn
+    cls.sample_tokens = sample_tokens

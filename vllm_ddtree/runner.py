@@ -202,12 +202,26 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
     step, model_state = state.step, state.model_state
     if step is None or step.walk is None or model_state is None:
         return
+    compact_accepted(runner, state, step, model_state.slot_mappings,
+                     [model_state.hidden_states, *(model_state.aux_hidden_states or [])],
+                     runner.input_ids.gpu, runner.positions)
+
+
+def compact_accepted(
+    runner: Any,  # a V1 or V2 DDTree model runner
+    state: Any,  # its ddtree_state (kv_groups, compaction)
+    step: TreeVerifyStep,  # walked
+    slot_mappings: Any,  # the step's slot mappings by layer (dict, or a list of dicts)
+    states: list[torch.Tensor],  # rows the drafter reads: hidden and aux hidden states
+    input_ids: torch.Tensor,  # the step's token ids
+    positions: torch.Tensor,  # the step's positions, root + depth at tree rows
+) -> None:
+    """In place: the KV, state rows and token id of the node accepted at depth d move
+    to row ``row_start + d``, and positions go back to chain order."""
     accepted, row_start = step.walk.accepted_nodes, step.row_start
     groups = [(group, slot_mapping) for group in _kv_groups(runner)
-              if (slot_mapping := _layer_slot_mapping(model_state.slot_mappings,
+              if (slot_mapping := _layer_slot_mapping(slot_mappings,
                                                       group.layer_names[0])) is not None]
-    # Rows the drafter reads as context: hidden states, aux states, token ids.
-    states = [model_state.hidden_states, *(model_state.aux_hidden_states or [])]
     width = step.tree.depths.shape[1]
 
     # On CUDA, one launch moves the KV of every layer of a fused group, the state
@@ -218,20 +232,20 @@ def compact_after_walk(runner: GPUModelRunner) -> None:
     _log_compaction(state, "one launch" if one_launch else "by part", len(fused), states)
     if one_launch:
         kv_caches, slot_mapping = (fused[0][0].kv_caches, fused[0][1]) if fused else (None, None)
-        compact_step_triton(kv_caches, slot_mapping, states, runner.input_ids.gpu,
-                            runner.positions, accepted, row_start, step.num_scheduled, width)
+        compact_step_triton(kv_caches, slot_mapping, states, input_ids,
+                            positions, accepted, row_start, step.num_scheduled, width)
         _move_kv_groups([(g, sm) for g, sm in groups if not g.fused], accepted, row_start)
         return
 
     # 1. KV of every target attention layer: node slots -> chain slots.
     _move_kv_groups(groups, accepted, row_start)
     # 2. Rows the drafter reads as context.
-    compact_rows([*states, runner.input_ids.gpu], accepted, row_start)
+    compact_rows([*states, input_ids], accepted, row_start)
     # 3. Positions back to chain order: row start + i sits at root + i.
-    restore_chain_positions(runner.positions, row_start, step.num_scheduled, width)
+    restore_chain_positions(positions, row_start, step.num_scheduled, width)
 
 
-def _log_compaction(state: DDTreeRunnerState, how: str, num_fused: int,
+def _log_compaction(state: Any, how: str, num_fused: int,
                     states: list[torch.Tensor]) -> None:
     if how != state.compaction:
         state.compaction = how
@@ -353,7 +367,11 @@ def _has_grammar(runner: GPUModelRunner, req_id: str) -> bool:
 
 def _target_kv_layers(runner: GPUModelRunner):
     """(name, kv_cache, backend) of every target attention layer."""
-    draft_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+    draft_layers = set(
+        getattr(getattr(runner, "drafter", None), "_draft_attn_layer_names", None)  # V1
+        or getattr(getattr(runner, "speculator", None), "draft_attn_layer_names", None)  # V2
+        or ()
+    )
     context = runner.compilation_config.static_forward_context
     for group in runner.kv_cache_config.kv_cache_groups:
         for name in group.layer_names:

@@ -1,0 +1,376 @@
+"""vllm_ddtree/runner_v2.py and speculator_v2.py without an engine (vLLM's V2 runner
+runs on CUDA only; tests/test_gpu_e2e_v2.py runs it there): the trees a step
+verifies, their depth positions and masks, the walk's output in V2's format and
+the compaction after it, the rule for graph captures, and the speculator's tree
+buffers. Oracles are plain Python over parents lists.
+
+The Triton kernels here run through Triton's interpreter on the CPU (.ci/run's
+interpreter list) or on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.worker.gpu.sample.penalties")  # vLLM's V2 runner modules
+
+from vllm_ddtree import runner_v2  # noqa: E402
+from vllm_ddtree.attention.reference import pack_tree_mask  # noqa: E402
+from vllm_ddtree.attention.state import mask_buffer, packed_view  # noqa: E402
+from vllm_ddtree.config import DDTreeConfig  # noqa: E402
+from vllm_ddtree.tree import DDTree, build_ddtree  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="the step's Triton kernels need CUDA or TRITON_INTERPRET=1",
+)
+
+BUDGET, BLOCK, VOCAB = 6, 4, 40  # max depth 3
+MAX_REQS = 8
+
+
+def ddtree_config() -> DDTreeConfig:
+    return DDTreeConfig(budget=BUDGET, topk_cap=None, block_size=BLOCK, vocab_size=VOCAB)
+
+
+def drafted_trees(num_reqs: int, seed: int = 0) -> DDTree:
+    """Real trees (the torch build) of random drafter distributions."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_reqs, BLOCK - 1, VOCAB, generator=generator) * 3
+    roots = torch.arange(num_reqs) + 1
+    return build_ddtree(logits.log_softmax(-1), roots, BUDGET, use_triton=False)
+
+
+def depth_of(parents: list[int], node: int) -> int:
+    depth = 0
+    while node != 0:
+        node, depth = parents[node], depth + 1
+    return depth
+
+
+def ancestors_or_self(parents: list[int], node: int) -> set[int]:
+    seen = {node}
+    while node != 0:
+        node = parents[node]
+        seen.add(node)
+    return seen
+
+
+class Step:
+    """A V2 batch: A (state 5) verifies its tree; B (state 2) uses a repetition penalty,
+    so it verifies its drafts as a chain; C (state 7) is a 4-token prefill chunk."""
+
+    def __init__(self, *, a_drafts_match: bool = True, structured: bool = False):
+        trees = drafted_trees(2)
+        self.trees_buffer = DDTree(*(torch.zeros((MAX_REQS, *t.shape[1:]), dtype=t.dtype)
+                                     for t in (trees.tokens, trees.parents, trees.depths,
+                                               trees.valid, trees.ancestor_mask)),
+                                   num_nodes=torch.zeros(MAX_REQS, dtype=torch.int64))
+        for field in ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes"):
+            getattr(self.trees_buffer, field)[:2].copy_(getattr(trees, field))
+        self.trees = trees
+        row_of_state = torch.full((MAX_REQS,), -1, dtype=torch.int64)
+        row_of_state[5], row_of_state[2] = 0, 1
+        a_drafts = trees.tokens[0, 1:].clone()
+        if not a_drafts_match:
+            a_drafts[2] = (a_drafts[2] + 1) % VOCAB
+        ids = [int(trees.tokens[0, 0]), *a_drafts.tolist(),
+               int(trees.tokens[1, 0]), *trees.tokens[1, 1:].tolist(), 31, 32, 33, 34]
+        self.positions0 = [*range(10, 17), *range(20, 27), *range(0, 4)]
+        self.query_start = np.array([0, 7, 14, 18], dtype=np.int32)
+        use_penalty = np.zeros(MAX_REQS, dtype=bool)
+        use_penalty[2] = True
+        self.sampler = SimpleNamespace(
+            penalties_state=SimpleNamespace(use_penalty=use_penalty),
+            logits_processors=[], needs_logits_processing=np.zeros(MAX_REQS, dtype=bool),
+        )
+        self.state = runner_v2.DDTreeV2State(
+            ddtree=ddtree_config(),
+            mask_buffer=mask_buffer(MAX_REQS, BUDGET + 1, torch.device("cpu")),
+            row_start_buffer=torch.zeros(MAX_REQS, dtype=torch.int64),
+        )
+        self.runner = SimpleNamespace(
+            device=torch.device("cpu"), ddtree_state=self.state, sampler=self.sampler,
+            speculator=SimpleNamespace(trees=self.trees_buffer, tree_row_of_state=row_of_state,
+                                       draft_attn_layer_names=set()),
+            kv_cache_config=SimpleNamespace(kv_cache_groups=[]),
+            compilation_config=SimpleNamespace(static_forward_context={}),
+        )
+        self.batch = SimpleNamespace(
+            num_reqs=3, num_draft_tokens=2 * BUDGET,
+            num_draft_tokens_per_req=np.array([BUDGET, BUDGET, 0], dtype=np.int32),
+            query_start_loc_np=self.query_start, query_start_loc=torch.from_numpy(self.query_start),
+            has_structured_output_reqs=structured,
+            idx_mapping_np=np.array([5, 2, 7]), idx_mapping=torch.tensor([5, 2, 7]),
+            input_ids=torch.tensor(ids, dtype=torch.int32),
+            positions=torch.tensor(self.positions0, dtype=torch.int64),
+            cu_num_logits=torch.tensor([0, 7, 14, 15], dtype=torch.int32),
+            cu_num_logits_np=np.array([0, 7, 14, 15], dtype=np.int32),
+            expanded_local_pos=torch.tensor([*range(7), *range(7), 0], dtype=torch.int32),
+            expanded_idx_mapping=torch.tensor([5] * 7 + [2] * 7 + [7]),
+            logits_indices=torch.tensor([*range(14), 17]),
+            seq_lens_cpu_upper_bound=torch.tensor([17, 27, 4], dtype=torch.int32),
+            seq_lens=torch.tensor([17, 27, 4], dtype=torch.int32),
+        )
+
+    def begin(self) -> None:
+        runner_v2.begin_verify_step(self.runner, self.batch)
+
+
+def chain_parents(width: int) -> list[int]:
+    return [0, *range(width - 1)]
+
+
+def test_a_request_verifies_its_tree_at_depth_positions():
+    step = Step()
+    step.begin()
+    tree = step.state.step.tree
+    a_parents = step.trees.parents[0].tolist()
+    assert tree.tokens[0].tolist() == step.trees.tokens[0].tolist()
+    assert tree.parents[0].tolist() == a_parents
+    # A's node i sits at its root's position plus its depth (from the parents list).
+    assert step.batch.positions[:7].tolist() == [10 + depth_of(a_parents, i) for i in range(7)]
+    assert step.state.step.row_start.tolist() == [0, 7, 17]
+    # Its packed mask row i holds exactly i's ancestors and itself.
+    expected = torch.tensor([[j in ancestors_or_self(a_parents, i) for j in range(7)]
+                             for i in range(7)])
+    packed = packed_view(step.state.mask_buffer, 3, BUDGET + 1)
+    assert torch.equal(packed[0], pack_tree_mask(expected[None])[0])
+
+
+def test_penalised_and_prefill_requests_verify_chains_in_place():
+    step = Step()
+    step.begin()
+    tree = step.state.step.tree
+    # B: its drafts (the tree's tokens in preorder) as a chain, positions untouched.
+    assert tree.parents[1].tolist() == chain_parents(BUDGET + 1)
+    assert tree.tokens[1, 1:].tolist() == step.trees.tokens[1, 1:].tolist()
+    causal = torch.ones(BUDGET + 1, BUDGET + 1, dtype=torch.bool).tril()
+    packed = packed_view(step.state.mask_buffer, 3, BUDGET + 1)
+    assert torch.equal(packed[1], pack_tree_mask(causal[None])[0])
+    assert step.batch.positions[7:].tolist() == step.positions0[7:]
+    # C, a prefill chunk, sends no drafts: a root-only tree.
+    assert step.state.step.num_scheduled.tolist() == [BUDGET, BUDGET, 0]
+    assert tree.valid[2].tolist() == [True] + [False] * BUDGET
+
+
+def test_the_attention_sees_which_rows_are_tree_rows():
+    step = Step()
+    step.begin()
+    info = step.state.attn_info
+    assert info.row_start.tolist() == [0, 7, 17]
+    assert info.num_rows.tolist() == [7, 7, 0]
+    assert info.tree_reqs == [0, 1]
+    assert not info.all_rows_are_tree_rows  # C's prefill rows are not
+    assert info.packed_mask.data_ptr() == step.state.mask_buffer.data_ptr()
+
+
+def test_drafts_that_left_their_tree_are_verified_as_sent():
+    step = Step(a_drafts_match=False)
+    step.begin()
+    tree = step.state.step.tree
+    assert tree.parents[0].tolist() == chain_parents(BUDGET + 1)
+    assert tree.tokens[0, 1:].tolist() == step.batch.input_ids[1:7].tolist()
+    assert step.batch.positions[:7].tolist() == step.positions0[:7]
+
+
+def test_structured_output_batches_go_to_vllms_sampler_as_chains():
+    step = Step(structured=True)
+    step.begin()
+    assert step.state.chain_only
+    assert step.state.step.tree.parents[0].tolist() == chain_parents(BUDGET + 1)
+    assert step.batch.positions.tolist() == step.positions0
+    sent = []
+    sampler = runner_v2.DDTreeV2Sampler(step.runner, lambda *args: sent.append(args) or "chain")
+    assert sampler("logits", step.batch) == "chain" and len(sent) == 1
+
+
+def test_steps_without_drafts_publish_nothing():
+    step = Step()
+    step.batch.num_draft_tokens = 0
+    step.batch.num_draft_tokens_per_req = None
+    step.begin()
+    assert step.state.step is None and step.state.attn_info is None
+    assert step.batch.positions.tolist() == step.positions0
+
+
+def test_bad_words_and_custom_processors_keep_requests_on_chains():
+    from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+
+    sampler = Step().sampler
+    bad_words = BadWordsState.__new__(BadWordsState)
+    bad_words.num_bad_words = SimpleNamespace(np=np.zeros(MAX_REQS, dtype=np.int32))
+    bad_words.num_bad_words.np[3] = 2
+    sampler.logits_processors = [bad_words, object()]
+    sampler.needs_logits_processing[4] = True
+    allowed = runner_v2.tree_allowed(sampler, np.array([5, 2, 3, 4, 6]))
+    assert allowed.tolist() == [True, False, False, False, True]
+
+
+def unused_token(tree_tokens: torch.Tensor) -> int:
+    return min(set(range(VOCAB)) - set(tree_tokens.tolist()))
+
+
+def target_tokens_for(step: Step, a_path: list[int], a_bonus: int) -> torch.Tensor:
+    """Logits rows whose argmax makes A accept the nodes ``a_path`` (depth order), then
+    take ``a_bonus``; B accepts nothing and C's prefill row gives token 9."""
+    trees = step.trees
+    parents = trees.parents[0].tolist()
+    tokens = torch.zeros(15, dtype=torch.int64)
+    tokens[:7] = unused_token(trees.tokens[0])  # A: a token no child has, but on the path
+    for depth, node in enumerate(a_path):
+        previous = 0 if depth == 0 else a_path[depth - 1]
+        assert parents[node] == previous
+        tokens[previous] = trees.tokens[0, node]
+    tokens[a_path[-1] if a_path else 0] = a_bonus
+    tokens[7:14] = unused_token(trees.tokens[1])  # B: no draft matches
+    tokens[14] = 9
+    return tokens
+
+
+def greedy_sampler(step: Step):
+    def sample(logits, *args, **kwargs):
+        return logits.argmax(-1), logits
+
+    step.sampler.sample = sample
+    step.sampler.compute_nans = False
+    step.sampler.get_logprobs_dims = lambda *args, **kwargs: None
+    prefill_len = torch.zeros(MAX_REQS, dtype=torch.int32)
+    prefill_len[7] = 9  # C (state 7) has 4 of its 9 prompt tokens after this step
+    step.sampler.req_states = SimpleNamespace(prefill_len=SimpleNamespace(gpu=prefill_len))
+
+
+def sampled_and_rejected_twin(num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill_len):
+    """vLLM's get_num_sampled_and_rejected, in torch (its kernel needs CUDA)."""
+    prefilling = seq_lens[: idx_mapping.shape[0]] < prefill_len[idx_mapping]
+    num_sampled = torch.where(prefilling, 0, num_sampled)
+    num_rejected = torch.where(prefilling, 0, cu_num_logits.diff() - num_sampled)
+    return num_sampled, num_rejected
+
+
+def a_deep_path(step: Step) -> list[int]:
+    """A path of A's tree through a non-first child, depth order."""
+    parents = step.trees.parents[0].tolist()
+    leaf = max(range(1, 7), key=lambda n: (depth_of(parents, n), n))
+    path = [leaf]
+    while parents[path[0]] != 0:
+        path.insert(0, parents[path[0]])
+    return path
+
+
+def test_the_walk_returns_v2_sampler_output_and_compacts_the_path(monkeypatch):
+    import vllm.v1.worker.gpu.input_batch as v2_input_batch
+
+    monkeypatch.setattr(v2_input_batch, "get_num_sampled_and_rejected",
+                        sampled_and_rejected_twin)
+    step = Step()
+    greedy_sampler(step)
+    step.begin()
+    path = a_deep_path(step)
+    tokens = target_tokens_for(step, path, a_bonus=17)
+    logits = torch.nn.functional.one_hot(tokens, VOCAB).float()
+    hidden = torch.arange(18, dtype=torch.float32)[:, None].repeat(1, 4)
+    aux = hidden + 100
+    step.state.exec_state = SimpleNamespace(slot_mappings_by_layer={}, hidden_states=hidden,
+                                            aux_hidden_states=[aux])
+    out = runner_v2.DDTreeV2Sampler(step.runner, None)(logits, step.batch)
+
+    a_tokens = [int(step.trees.tokens[0, n]) for n in path] + [17]
+    width = BUDGET + 1
+    assert out.sampled_token_ids.shape == (3, width)
+    assert out.sampled_token_ids[0].tolist() == a_tokens + [-1] * (width - len(a_tokens))
+    b_bonus = unused_token(step.trees.tokens[1])
+    assert out.sampled_token_ids[1].tolist() == [b_bonus] + [-1] * (width - 1)
+    assert out.sampled_token_ids[2, 0] == 9
+    assert out.num_sampled.tolist() == [len(path) + 1, 1, 0]  # C is still prefilling
+    assert out.num_rejected.tolist() == [width - len(path) - 1, width - 1, 0]
+    # Row d of A holds the state of the node accepted at depth d; positions are a chain.
+    for depth, node in enumerate([0, *path]):
+        assert hidden[depth, 0] == node and aux[depth, 0] == node + 100
+    assert step.batch.positions.tolist() == step.positions0
+
+
+def test_logprob_rows_follow_the_accepted_path():
+    step = Step()
+    step.begin()
+    path = a_deep_path(step)
+    rows = torch.tensor([[*range(7)], [*range(7, 14)], [14] * 7])
+    accepted = torch.full((3, BLOCK), -1, dtype=torch.int64)
+    accepted[:, 0] = 0
+    accepted[0, 1 : len(path) + 1] = torch.tensor(path)
+    sampled = torch.full((3, 7), -1, dtype=torch.int64)
+    sampled[0, : len(path) + 1] = torch.arange(len(path) + 1) + 20
+    sampled[1, 0], sampled[2, 0] = 30, 9
+    walk = SimpleNamespace(accepted_nodes=accepted)
+    path_rows, path_tokens = runner_v2._path_rows(rows, walk, sampled, step.batch)
+    a_rows = [0, *path] + [6] * (7 - len(path) - 1)  # past the path: the last row
+    assert path_rows.tolist() == a_rows + [7] + [13] * 6 + [14]
+    assert path_tokens[: len(path) + 1].tolist() == (torch.arange(len(path) + 1) + 20).tolist()
+    assert path_tokens[len(path) + 1 : 7].tolist() == [0] * (7 - len(path) - 1)
+    assert path_tokens[7:].tolist() == [30] + [0] * 6 + [9]
+
+
+def test_graph_captures_of_verify_shape_publish_a_causal_tree():
+    state = Step().state
+    width = BUDGET + 1
+
+    def batch(query_lens):
+        starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        return SimpleNamespace(num_reqs_after_padding=len(query_lens), query_start_loc_np=starts)
+
+    info = runner_v2.publish_for_build(state, batch([width] * 3), for_capture=True)
+    assert info.all_rows_are_tree_rows and info.num_rows.tolist() == [width] * 3
+    assert bool(info.tree_mask[0].equal(torch.ones(width, width, dtype=torch.bool).tril()))
+    assert info.mask_buffer is state.mask_buffer
+    assert runner_v2.publish_for_build(state, batch([1] * 3), for_capture=True) is None
+    assert runner_v2.publish_for_build(state, batch([width] * 3), for_capture=False) is None
+    state.attn_info = "this step's"
+    assert runner_v2.publish_for_build(state, batch([1] * 3), for_capture=False) == "this step's"
+
+
+def test_speculator_builds_trees_in_its_pass_and_maps_states_to_rows(monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+
+    num_reqs, depth = 3, BLOCK - 1
+    logprobs = torch.randn(num_reqs, depth, VOCAB).log_softmax(-1)
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)  # its pass's fields, no engine
+    spec.__dict__.update(
+        ddtree=ddtree_config(), num_speculative_steps=depth,
+        sample_indices=torch.arange(num_reqs * depth),
+        input_buffers=SimpleNamespace(input_ids=torch.tensor(
+            [11, 0, 0, 0, 12, 0, 0, 0, 13, 0, 0, 0], dtype=torch.int32)),
+        _root_rows=torch.arange(MAX_REQS) * BLOCK,
+        trees=Step().trees_buffer, tree_row_of_state=torch.zeros(MAX_REQS, dtype=torch.int64),
+        _batch_rows=torch.arange(MAX_REQS),
+        _run_model=lambda *args: torch.zeros(num_reqs * BLOCK, 4),
+        draft_logprobs=lambda hidden, n: logprobs,
+    )
+    DDTreeSpeculator._generate_draft(spec, num_reqs, num_reqs * BLOCK, None, None, None)
+    expected = build_ddtree(logprobs, torch.tensor([11, 12, 13]), BUDGET)
+    for field in ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes"):
+        assert torch.equal(getattr(spec.trees, field)[:num_reqs], getattr(expected, field))
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *args, **kwargs: None)
+    batch = SimpleNamespace(num_reqs=num_reqs, idx_mapping=torch.tensor([6, 1, 4]))
+    drafts = DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=BUDGET)
+    assert torch.equal(drafts, expected.tokens[:, 1:])
+    assert spec.tree_row_of_state.tolist() == [-1, 1, -1, -1, 2, -1, 0, -1]
+    DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=0)  # no drafts asked for
+    assert spec.tree_row_of_state.tolist() == [-1] * MAX_REQS
+    DDTreeSpeculator.propose(spec, batch, dummy_run=True)
+    assert spec.tree_row_of_state.tolist() == [-1] * MAX_REQS
+
+
+def test_the_drafters_graph_stores_a_verify_steps_context_rows():
+    from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+
+    spec = SimpleNamespace(ddtree=ddtree_config(), max_num_tokens=50)
+    assert DDTreeSpeculator._num_graph_context_tokens(spec, 3) == 3 * (BUDGET + 1)
+    assert DDTreeSpeculator._num_graph_context_tokens(spec, 20) == 50

@@ -1,0 +1,138 @@
+"""The vLLM 0.33 V2-runner internals that vllm_ddtree/runner_v2.py, speculator_v2.py
+and patches._patch_v2_model_runner rely on: names, parameters and fields, checked
+against the installed vLLM wherever it is 0.33 (the GPU machine's kit; or, on a CPU
+machine, 0.33's Python modules put first on PYTHONPATH). A vLLM release that moves
+one of them fails here, by name, before any engine starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+pytestmark = pytest.mark.skipif(
+    not vllm.__version__.startswith("0.33."), reason="the V2 path is written for vLLM 0.33"
+)
+
+
+def params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def assigns(cls, *names: str) -> None:
+    source = inspect.getsource(cls)
+    missing = [n for n in names if f"self.{n} =" not in source and f"self.{n}:" not in source]
+    assert not missing, f"{cls.__name__} no longer sets {missing}"
+
+
+def test_model_runner_points():
+    from vllm.v1.worker.gpu import model_runner as v2
+
+    cls = v2.GPUModelRunner
+    assert params(v2.init_speculator) == ["vllm_config", "device", "req_states"]
+    assert params(cls.__init__)[:3] == ["self", "vllm_config", "device"]
+    assert params(cls.prepare_attn) == ["self", "input_batch"]
+    assert params(cls.sample_tokens) == ["self", "grammar_output"]
+    for name in ("load_model", "initialize_kv_cache"):
+        assert callable(getattr(cls, name))
+    assigns(cls, "speculator", "sampler", "rejection_sampler", "execute_model_state",
+            "req_states", "use_pp", "speculative_config", "model_config", "max_num_reqs",
+            "compilation_config", "kv_cache_config", "dtype")
+    # The step's order: prepare_attn (slot mappings from sequential positions), then
+    # the target's metadata build through the model state, with for_capture named.
+    execute = inspect.getsource(cls.execute_model)
+    assert execute.index("self.prepare_attn(input_batch)") < execute.index(
+        "self.model_state.prepare_attn(")
+    assert "for_capture=" in execute
+    sample = inspect.getsource(cls.sample)
+    assert "self.rejection_sampler(" in sample and "invalid_drafts" in sample
+    # sample_tokens hands the step's state on before sampling, then drafts after.
+    tokens = inspect.getsource(cls.sample_tokens)
+    assert tokens.index("self.execute_model_state = None") < tokens.index("self.sample(")
+    assert tokens.index("self.sample(") < tokens.index("self.speculator.propose(")
+    assert "self.req_states.draft_tokens[input_batch.idx_mapping] = draft_tokens" in tokens
+
+
+def test_execute_state_and_input_batch_fields():
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.model_runner import ExecuteModelState
+
+    state_fields = set(ExecuteModelState._fields)  # a NamedTuple
+    assert {"hidden_states", "aux_hidden_states", "slot_mappings_by_layer",
+            "input_batch"} <= state_fields
+    batch_fields = {f.name for f in dataclasses.fields(InputBatch)}
+    used = {"num_reqs", "num_reqs_after_padding", "idx_mapping", "idx_mapping_np",
+            "expanded_idx_mapping", "expanded_local_pos", "num_draft_tokens",
+            "num_draft_tokens_per_req", "query_start_loc", "query_start_loc_np", "seq_lens",
+            "seq_lens_cpu_upper_bound", "input_ids", "positions", "logits_indices",
+            "cu_num_logits", "cu_num_logits_np", "has_structured_output_reqs"}
+    assert used <= batch_fields, used - batch_fields
+
+
+def test_sampler_points():
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput
+    from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+    assert params(Sampler.sample) == [
+        "self", "logits", "expanded_idx_mapping", "idx_mapping", "idx_mapping_np", "pos",
+        "input_ids", "expanded_local_pos", "seq_lens_upper_bound_np", "return_logprobs"]
+    assert params(Sampler.get_logprobs_dims) == ["self", "idx_mapping_np", "include_token_ids"]
+    assigns(Sampler, "compute_nans", "logits_processors", "needs_logits_processing",
+            "penalties_state", "req_states", "logprobs_mode")
+    assigns(PenaltiesState, "use_penalty")
+    assigns(BadWordsState, "num_bad_words")
+    assert params(RejectionSampler.__call__) == [
+        "self", "logits", "input_batch", "draft_logits", "invalid_drafts"]
+    assert params(get_num_sampled_and_rejected) == [
+        "num_sampled", "seq_lens", "cu_num_logits", "idx_mapping", "prefill_len"]
+    assert params(compute_topk_scores)[:4] == [
+        "logits", "num_logprobs", "sampled_token_ids", "cu_num_logits"]
+    assert "logits_mode" in params(compute_topk_scores)
+    assert {f.name for f in dataclasses.fields(SamplerOutput)} >= {
+        "sampled_token_ids", "logprobs_tensors", "num_nans", "num_sampled", "num_rejected"}
+
+
+def test_dflash_speculator_points():
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+    from vllm.v1.worker.gpu.states import RequestState
+
+    assert params(DFlashSpeculator.__init__) == ["self", "vllm_config", "device"]
+    assert params(DFlashSpeculator._generate_draft) == [
+        "self", "num_reqs", "num_tokens_padded", "attn_metadata", "slot_mappings",
+        "num_tokens_across_dp", "cudagraph_runtime_mode"]
+    assert params(DFlashSpeculator._run_model)[1:] == [
+        "num_tokens", "attn_metadata", "slot_mappings", "num_tokens_across_dp",
+        "cudagraph_runtime_mode"]
+    assert params(DFlashSpeculator._num_graph_context_tokens) == ["self", "num_reqs"]
+    assert params(DFlashSpeculator.init_cudagraph_manager) == ["self", "cudagraph_mode"]
+    propose = params(DFlashSpeculator.propose)
+    assert propose[1] == "input_batch"
+    assert {"dummy_run", "num_speculative_tokens", "dp_sync_state"} <= set(propose)
+    assigns(DFlashSpeculator, "sample_indices", "sample_idx_mapping", "num_query_per_req",
+            "hidden_states")
+    # The context the drafter stores for a FULL graph is sized by this hook.
+    assert "_num_graph_context_tokens(" in inspect.getsource(DFlashSpeculator.__init__)
+    assigns(RequestState, "prompt_len", "prefill_len", "all_token_ids", "draft_tokens")
+
+
+def test_speculative_config_fields_the_v2_path_checks():
+    from vllm.config import SpeculativeConfig
+
+    fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    assert {"rejection_sample_method", "draft_sample_method",
+            "enable_adaptive_verification", "num_speculative_tokens"} <= fields
+
+
+def test_worker_builds_the_runner_in_one_place():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert params(Worker._make_model_runner) == ["self"]
+    assert "self.use_v2_model_runner" in inspect.getsource(Worker._make_model_runner)

@@ -1,0 +1,318 @@
+"""The V2 model-runner side of a DDTree step (vLLM 0.33's ``vllm.v1.worker.gpu``).
+
+The V2 runner keeps request state on the GPU and prepares each step's inputs
+there, so nothing here reads device data on the host. The plugin steps in at
+four points (patches._patch_v2_model_runner):
+
+1. the speculator: :class:`~vllm_ddtree.speculator_v2.DDTreeSpeculator` drafts
+   as V2's DFlash does and builds each request's tree in the same pass;
+2. after ``prepare_attn`` (slot mappings are made from sequential positions
+   there, so each node's KV goes to slot ``start + i``): the trees of the
+   step, checked against the drafts the batch carries; verify rows get their
+   depth positions and the ancestor masks go to the persistent mask buffer
+   (:func:`begin_verify_step`); the target's attention metadata is built with
+   the tree published (:func:`publish_for_build`);
+3. the rejection sampler: :class:`DDTreeV2Sampler` takes the target's token at
+   every node with V2's own sampler (greedy, or a sample keyed by the node's
+   position), walks the trees, and compacts the accepted path (KV rows, hidden
+   and aux hidden states, positions) so that vLLM's bookkeeping and the
+   drafter's next pass see a chain step with k accepted drafts;
+4. after drafting: the speculator maps request states to their new trees.
+
+Requests whose sampling reads the drafts as a chain (repetition, frequency or
+presence penalties, bad words, custom logits processors) are verified as the
+chain of their drafts; a batch with structured-output requests goes to vLLM's
+own rejection sampler, as chains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+
+from vllm_ddtree.attention.state import (
+    TreeAttentionInfo,
+    causal_attention_info,
+    mask_buffer,
+    packed_view,
+    publishing,
+)
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.runner import KVGroup, compact_accepted
+from vllm_ddtree.sampler import TreeVerifyStep, step_rows
+from vllm_ddtree.step_tree_triton import step_trees_triton
+from vllm_ddtree.sync import step_phase, to_device
+from vllm_ddtree.verify import walk_tree
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
+
+
+@dataclass
+class DDTreeV2State:
+    """Per-runner DDTree state, kept on the runner as ``runner.ddtree_state``."""
+
+    ddtree: DDTreeConfig
+    # Persistent packed ancestor masks, [max_num_reqs, budget + 1, words] int32:
+    # the tree kernel in a full CUDA graph of the verify step reads them here.
+    mask_buffer: torch.Tensor
+    # Each request's root row, [max_num_reqs] int64, written at every verify step.
+    row_start_buffer: torch.Tensor
+    step: TreeVerifyStep | None = None
+    attn_info: TreeAttentionInfo | None = None
+    # The step goes to vLLM's rejection sampler as chains (structured outputs).
+    chain_only: bool = False
+    # The step's ExecuteModelState (hidden states, slot mappings) while it is sampled.
+    exec_state: Any = None
+    # The target's KV-cache layers by group, found at the first compaction.
+    kv_groups: list[KVGroup] | None = None
+    compaction: str = ""  # how the last compaction ran, logged when it changes
+
+
+def install(runner: GPUModelRunner) -> None:
+    """Turn a freshly built V2 model runner into a DDTree runner (no-op otherwise)."""
+    ddtree = get_ddtree_config(runner.vllm_config)
+    if ddtree is None:
+        return
+    from vllm_ddtree.attention import register_backends
+    from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+
+    spec = runner.speculative_config
+    unsupported = [name for name, on in (
+        ("M-RoPE target models", runner.model_config.uses_mrope),
+        (f"rejection_sample_method={spec.rejection_sample_method!r}",
+         spec.rejection_sample_method != "standard"),
+        (f"draft_sample_method={spec.draft_sample_method!r}",
+         spec.draft_sample_method != "greedy"),
+        ("pipeline parallelism", runner.use_pp),
+        ("adaptive verification", spec.enable_adaptive_verification),
+        ("watermarking", getattr(runner.vllm_config, "watermark_config", None) is not None),
+    ) if on]
+    if unsupported:
+        raise NotImplementedError(
+            f"DDTree on vLLM's V2 model runner does not support {', '.join(unsupported)} "
+            "yet; run it on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0)."
+        )
+    if not isinstance(runner.speculator, DDTreeSpeculator):
+        raise RuntimeError(
+            f"the V2 runner built {type(runner.speculator).__name__} for a DDTree config; "
+            "vllm_ddtree's init_speculator patch is not in place"
+        )
+    register_backends(runner.device)
+    runner.ddtree_state = DDTreeV2State(
+        ddtree=ddtree,
+        mask_buffer=mask_buffer(runner.max_num_reqs, ddtree.verify_width, runner.device),
+        row_start_buffer=torch.zeros(runner.max_num_reqs, dtype=torch.int64,
+                                     device=runner.device),
+    )
+    logger.info("DDTree on the V2 model runner: verify width %d, drafter width %d.",
+                ddtree.verify_width, ddtree.drafter_width)
+
+
+def after_load_model(runner: GPUModelRunner) -> None:
+    """Once the samplers and the model state exist: the tree sampler in place of
+    vLLM's rejection sampler, and the tree published while the target's attention
+    metadata is built."""
+    state: DDTreeV2State = runner.ddtree_state
+    runner.rejection_sampler = DDTreeV2Sampler(runner, runner.rejection_sampler)
+    model_state = runner.model_state
+    build = model_state.prepare_attn
+
+    def prepare_attn(input_batch, *args, **kwargs):
+        with publishing(publish_for_build(state, input_batch, kwargs.get("for_capture", False))):
+            return build(input_batch, *args, **kwargs)
+
+    model_state.prepare_attn = prepare_attn
+
+
+def publish_for_build(
+    state: DDTreeV2State, input_batch: InputBatch, for_capture: bool
+) -> TreeAttentionInfo | None:
+    """The tree to publish while the target's attention metadata is built: this
+    step's, or for the capture of a full CUDA graph of verify shape (``budget + 1``
+    rows per request) a causal one, so that the graph holds the tree kernel, which
+    then reads each replayed step's masks from the mask buffer."""
+    if state.attn_info is not None or not for_capture:
+        return state.attn_info
+    width = state.ddtree.verify_width
+    num_reqs = input_batch.num_reqs_after_padding
+    query_start = input_batch.query_start_loc_np[: num_reqs + 1]
+    if num_reqs == 0 or int(np.diff(query_start).max()) != width:
+        return None
+    return causal_attention_info(torch.from_numpy(query_start.astype(np.int32)), width,
+                                 state.mask_buffer)
+
+
+def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
+    """Attach this step's trees to the batch and give verify rows their depth
+    positions. Host sizes come from the batch's numpy copies; nothing waits for
+    the device."""
+    state: DDTreeV2State = runner.ddtree_state
+    state.step = state.attn_info = None
+    state.chain_only = False
+    num_draft = input_batch.num_draft_tokens_per_req
+    if input_batch.num_draft_tokens == 0 or num_draft is None:
+        return
+    num_reqs = input_batch.num_reqs
+    num_draft = num_draft[:num_reqs].astype(np.int64)
+    query_start = input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
+    width = int(num_draft.max()) + 1
+    # Which requests may verify their tree: the rest verify their drafts as a chain.
+    state.chain_only = bool(input_batch.has_structured_output_reqs)
+    allowed = np.zeros(num_reqs, dtype=np.int64) if state.chain_only else \
+        tree_allowed(runner.sampler, input_batch.idx_mapping_np[:num_reqs]).astype(np.int64)
+    on_device = to_device(torch.from_numpy(np.stack([num_draft, allowed])), runner.device)
+    num_scheduled = on_device[0]
+    speculator = runner.speculator
+    index = None
+    if allowed.any():
+        rows = speculator.tree_row_of_state[input_batch.idx_mapping[:num_reqs]]
+        index = torch.where(on_device[1] > 0, rows, -1)
+    row_start = state.row_start_buffer[:num_reqs]
+    # Node i of a request sits at start + depth_i (its KV slot stays start + i); the
+    # masks are packed straight into the buffer the tree kernel reads.
+    tree = step_trees_triton(
+        speculator.trees if index is not None else None, index,
+        input_batch.input_ids, input_batch.query_start_loc[1 : num_reqs + 1],
+        num_scheduled, width, packed_out=state.mask_buffer,
+        positions=input_batch.positions, query_start_loc=input_batch.query_start_loc,
+        row_start_out=row_start,
+    )
+    state.step = TreeVerifyStep(tree=tree, num_scheduled=num_scheduled, row_start=row_start,
+                                max_depth=state.ddtree.max_depth)
+    has_tree = num_draft > 0
+    state.attn_info = TreeAttentionInfo(
+        tree_mask=tree.ancestor_mask,
+        row_start=torch.from_numpy(query_start[1:] - num_draft - 1),
+        num_rows=torch.from_numpy(np.where(has_tree, num_draft + 1, 0)),
+        tree_reqs=np.flatnonzero(has_tree).tolist(),
+        all_rows_are_tree_rows=bool((np.diff(query_start) == num_draft + 1).all()),
+        packed_mask=packed_view(state.mask_buffer, num_reqs, width),
+        mask_buffer=state.mask_buffer,
+    )
+
+
+def tree_allowed(sampler, idx_mapping_np: np.ndarray) -> np.ndarray:
+    """Per request (by state index): may it verify a tree? Not where a logits
+    processor reads the drafts before a row as that row's history (penalties, bad
+    words; custom processors, whose reading is unknown): a tree's rows would see
+    their preorder neighbours instead of their ancestors."""
+    from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+    from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
+    from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
+
+    allowed = ~sampler.penalties_state.use_penalty[idx_mapping_np]
+    for proc in sampler.logits_processors:
+        if isinstance(proc, BadWordsState):
+            allowed &= proc.num_bad_words.np[idx_mapping_np] == 0
+        elif not isinstance(proc, (LogitBiasState, PenaltiesState)):
+            allowed &= ~sampler.needs_logits_processing[idx_mapping_np]
+    return allowed
+
+
+class DDTreeV2Sampler:
+    """Stands in for V2's ``RejectionSampler`` (same call); steps without trees, and
+    chain-only steps, go to the one it replaces."""
+
+    def __init__(self, runner: GPUModelRunner, chain_sampler) -> None:
+        self.runner = runner
+        self.chain_sampler = chain_sampler
+        self.sampler = runner.sampler
+
+    def __getattr__(self, name: str):  # e.g. enable_adaptive_verification (warm-up)
+        chain_sampler = self.__dict__.get("chain_sampler")
+        if chain_sampler is None:
+            raise AttributeError(name)
+        return getattr(chain_sampler, name)
+
+    def __call__(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
+        from vllm.config.model import PROCESSED_LOGPROBS_MODES
+        from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+        from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+        state: DDTreeV2State = self.runner.ddtree_state
+        step = state.step
+        if step is None or state.chain_only or input_batch.num_draft_tokens == 0:
+            return self.chain_sampler(logits, input_batch, draft_logits, invalid_drafts)
+        sampler = self.sampler
+        num_nans = get_num_nans(logits) if sampler.compute_nans else None
+        logprobs_dims = sampler.get_logprobs_dims(input_batch.idx_mapping_np,
+                                                  include_token_ids=False)
+        # vLLM's sampler gives the target's token at every logits row. A tree node at
+        # depth d sits at position root + d, so its sample is keyed (seed, position)
+        # as the token at that position is in plain decoding.
+        indices = input_batch.logits_indices
+        row_tokens, processed = sampler.sample(
+            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
+            input_batch.idx_mapping_np, input_batch.positions[indices],
+            input_batch.input_ids[indices], input_batch.expanded_local_pos,
+            input_batch.seq_lens_cpu_upper_bound.numpy(),
+            return_logprobs=logprobs_dims is not None,
+        )
+        with step_phase("ddtree.sample_walk", logits.device):
+            rows, sampled, num_sampled, num_rejected = self._walk(row_tokens, input_batch, step)
+        exec_state = state.exec_state
+        if exec_state is not None:
+            with step_phase("ddtree.compact", logits.device):
+                compact_accepted(
+                    self.runner, state, step, exec_state.slot_mappings_by_layer,
+                    [exec_state.hidden_states, *(exec_state.aux_hidden_states or [])],
+                    input_batch.input_ids, input_batch.positions,
+                )
+        logprobs_tensors = None
+        if logprobs_dims is not None:
+            source = processed if sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES else logits
+            path_rows, path_tokens = _path_rows(rows, step.walk, sampled, input_batch)
+            logprobs_tensors = compute_topk_scores(
+                source[path_rows], logprobs_dims[0], path_tokens,
+                input_batch.cu_num_logits_np.tolist(),
+                logits_mode=sampler.logprobs_mode in ("raw_logits", "processed_logits"),
+            )
+        return SamplerOutput(
+            sampled_token_ids=sampled,
+            logprobs_tensors=logprobs_tensors,
+            num_nans=num_nans,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )
+
+    def _walk(self, row_tokens: torch.Tensor, input_batch: InputBatch, step: TreeVerifyStep):
+        """The walk over every request's tree: (logits row of each node, the output in
+        chain format, tokens sampled and drafts rejected per request)."""
+        from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+
+        num_reqs = input_batch.num_reqs
+        width = step.tree.tokens.shape[1]
+        rows = step_rows(input_batch.cu_num_logits[1 : num_reqs + 1], step.num_scheduled, width)
+        walk = walk_tree(step.tree, row_tokens.view(-1)[rows], step.max_depth)
+        step.walk = walk
+        sampled = walk.output_tokens[:, :width].contiguous()
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            (walk.num_accepted + 1).to(torch.int32), input_batch.seq_lens,
+            input_batch.cu_num_logits, input_batch.idx_mapping,
+            self.sampler.req_states.prefill_len.gpu,
+        )
+        return rows, sampled, num_sampled, num_rejected
+
+
+def _path_rows(rows: torch.Tensor, walk, sampled: torch.Tensor, input_batch: InputBatch):
+    """For each logits row of the batch (request r, local slot j): the logits row of
+    the j-th node on r's accepted path (past the path: r's last row) and the token
+    drawn there (``sampled[r, j]``, 0 past the output)."""
+    num_reqs, width = rows.shape
+    path = walk.accepted_nodes[:, :width]
+    if path.shape[1] < width:
+        path = torch.cat([path, path.new_full((num_reqs, width - path.shape[1]), -1)], dim=1)
+    path_rows = torch.where(path >= 0, rows.gather(1, path.clamp(min=0)), rows[:, -1:])
+    counts = np.diff(input_batch.cu_num_logits_np[: num_reqs + 1])
+    req = to_device(torch.from_numpy(np.repeat(np.arange(num_reqs), counts)), rows.device)
+    slot = input_batch.expanded_local_pos.to(torch.int64)
+    return path_rows[req, slot], sampled[req, slot].clamp(min=0)
