@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e_utils import PROMPTS, make_llm
+from tests.e2e_utils import PROMPTS, greedy, make_llm, prompt_ids, shutdown, spec_metrics
 
 # Every CUDA engine test: marked gpu and slow, its DDTree engines on vLLM's V1 runner
 # with the host-sync check on (conftest's v1_runner_and_sync_check). Modules add
@@ -111,3 +111,50 @@ def hf_greedy_oracle(model_dir):
         return [cache[ids] for ids in ids_list]
 
     return run
+
+
+def reference_then_ddtree(model, prompts, ddtree_config, monkeypatch, tmp_path, *,
+                          with_top2: bool = False, **kw):
+    """Non-speculative greedy (with top-2 log-probabilities), then DDTree greedy with
+    the drafter scripted from it, both engines built with ``kw``.
+    Returns (prompt ids, reference, DDTree token ids, or with ``with_top2`` DDTree's
+    (token ids, top-2) pairs)."""
+    from tests import scripted_drafter
+
+    llm = gpu_llm(model, **kw)
+    try:
+        ids = prompt_ids(llm, prompts)
+        reference = greedy_with_top2(llm, prompts)
+    finally:
+        shutdown(llm)
+    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [r[0] for r in reference])))
+    llm = gpu_llm(model, ddtree_config, **kw)
+    try:
+        got = greedy_with_top2(llm, prompts) if with_top2 else greedy(llm, prompts, MAX_TOKENS)
+    finally:
+        shutdown(llm)
+    return ids, reference, got
+
+
+def assert_cap_1_is_the_native_chain(model, drafter, block: int, **kw) -> None:
+    """``ddtree_topk_cap: 1`` and budget = block_size - 1: the tree is DFlash's chain,
+    so both engines (built with ``kw``) give the same tokens and the same draft and
+    acceptance counters."""
+    runs = {}
+    for name, config in {
+        "dflash": {"method": "dflash", "model": str(drafter),
+                   "num_speculative_tokens": block - 1},
+        "ddtree": {"method": "ddtree", "model": str(drafter),
+                   "ddtree_budget": block - 1, "ddtree_topk_cap": 1},
+    }.items():
+        llm = gpu_llm(model, config, graphs=True, **kw)
+        try:
+            runs[name] = (greedy(llm, PROMPTS16, 48), spec_metrics(llm))
+        finally:
+            shutdown(llm)
+    (chain_out, chain_m), (tree_out, tree_m) = runs["dflash"], runs["ddtree"]
+    assert tree_out == chain_out
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                "num_accepted_tokens_per_pos"):
+        assert tree_m[key] == chain_m[key], key
+    assert chain_m["num_accepted_tokens"] > chain_m["num_drafts"]  # drafts were accepted

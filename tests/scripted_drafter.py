@@ -172,11 +172,23 @@ def _eager_draft_graphs(original):
     return init_cudagraph_manager
 
 
+def _load_script(script_path: Path):
+    """A function (full token ids of the request, its bonus token's position, depth,
+    vocab) -> the scripted ``[depth, vocab]`` log-probabilities."""
+    script = json.loads(script_path.read_text())
+    rank_rule = RULES[script["rule"]]
+
+    def rows(full: list[int], bonus_pos: int, depth: int, vocab: int) -> torch.Tensor:
+        true = [full[bonus_pos + d] if bonus_pos + d < len(full) else None
+                for d in range(1, depth + 1)]
+        return scripted_logprobs(true, lambda d: rank_rule(bonus_pos, d), vocab)
+
+    return {tuple(p): o for p, o in script["refs"]}, rows
+
+
 def _scripted_v2_logprobs(script_path: Path):
     """DDTreeSpeculator.draft_logprobs that returns the script's distributions."""
-    script = json.loads(script_path.read_text())
-    references = {tuple(p): o for p, o in script["refs"]}
-    rank_rule = RULES[script["rule"]]
+    references, script_rows = _load_script(script_path)
 
     def draft_logprobs(self, hidden_states, num_reqs):
         depth = self.ddtree.max_depth
@@ -190,13 +202,7 @@ def _scripted_v2_logprobs(script_path: Path):
                 prompt_len = int(self.req_states.prompt_len.np[state])
                 prompt = tuple(self.req_states.all_token_ids.gpu[state, :prompt_len].tolist())
                 full = list(prompt) + references.get(prompt, [])
-            true = [
-                full[bonus_pos + d] if bonus_pos + d < len(full) else None
-                for d in range(1, depth + 1)
-            ]
-            rows.append(
-                scripted_logprobs(true, lambda d, pos=bonus_pos: rank_rule(pos, d), vocab)
-            )
+            rows.append(script_rows(full, bonus_pos, depth, vocab))
         return torch.stack(rows).to(hidden_states.device)
 
     draft_logprobs.scripted = True
@@ -205,9 +211,7 @@ def _scripted_v2_logprobs(script_path: Path):
 
 def _scripted_sampler(script_path: Path):
     """DDTreeProposer._sample_draft_tokens that returns the script's distributions."""
-    script = json.loads(script_path.read_text())
-    references = {tuple(p): o for p, o in script["refs"]}
-    rank_rule = RULES[script["rule"]]
+    references, script_rows = _load_script(script_path)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         depth = self.ddtree.max_depth
@@ -219,13 +223,7 @@ def _scripted_sampler(script_path: Path):
             prompt = tuple(self.runner.requests[req_id].prompt_token_ids)
             full = list(prompt) + references[prompt]
             bonus_pos = int(self.positions[r * self.ddtree.block_size])
-            true = [
-                full[bonus_pos + d] if bonus_pos + d < len(full) else None
-                for d in range(1, depth + 1)
-            ]
-            rows.append(
-                scripted_logprobs(true, lambda d, pos=bonus_pos: rank_rule(pos, d), vocab)
-            )
+            rows.append(script_rows(full, bonus_pos, depth, vocab))
         logprobs = torch.cat(rows).to(hidden_states.device)
         self._draft_logprobs = logprobs
         return logprobs.argmax(dim=-1), None

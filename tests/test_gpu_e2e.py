@@ -48,9 +48,11 @@ from tests.gpu_utils import (
     FLOAT32_NEAR_TIE,
     MAX_TOKENS,
     PROMPTS16,
+    assert_cap_1_is_the_native_chain,
     assert_identical_or_near_tie,
     gpu_llm,
     greedy_with_top2,
+    reference_then_ddtree,
 )
 
 pytestmark = [
@@ -117,25 +119,6 @@ def test_greedy_identical_float32(
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"] * min(budget, 2) / 2
 
 
-def reference_then_ddtree(model, prompts, ddtree_config, monkeypatch, tmp_path, **kw):
-    """Non-speculative greedy (with top-2 log-probabilities), then DDTree greedy with
-    the drafter scripted from it, both engines built with ``kw``.
-    Returns (prompt ids, reference, DDTree token ids)."""
-    llm = gpu_llm(model, **kw)
-    try:
-        ids = prompt_ids(llm, prompts)
-        reference = greedy_with_top2(llm, prompts)
-    finally:
-        shutdown(llm)
-    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [r[0] for r in reference])))
-    llm = gpu_llm(model, ddtree_config, **kw)
-    try:
-        got = greedy(llm, prompts, MAX_TOKENS)
-    finally:
-        shutdown(llm)
-    return ids, reference, got
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_mixed_prefill_and_tree_steps(gpu_qwen3, make_drafter, monkeypatch, tmp_path, capfd,
                                       async_scheduling):
@@ -184,23 +167,6 @@ def test_topk_cap_1_is_the_native_dflash_chain(
 ):
     """Cap 1 and budget = block_size - 1: the tree is DFlash's chain (both engines on
     the V1 runner, with the same scheduling)."""
-    drafter = make_drafter(tiny_llama_repetitive, BLOCK, mode="repeat")
-    runs = {}
-    for name, config in {
-        "dflash": {"method": "dflash", "model": str(drafter),
-                   "num_speculative_tokens": BLOCK - 1},
-        "ddtree": {"method": "ddtree", "model": str(drafter),
-                   "ddtree_budget": BLOCK - 1, "ddtree_topk_cap": 1},
-    }.items():
-        llm = gpu_llm(tiny_llama_repetitive, config, graphs=True,
-                      async_scheduling=async_scheduling)
-        try:
-            runs[name] = (greedy(llm, PROMPTS16, 48), spec_metrics(llm))
-        finally:
-            shutdown(llm)
-    (chain_out, chain_m), (tree_out, tree_m) = runs["dflash"], runs["ddtree"]
-    assert tree_out == chain_out
-    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                "num_accepted_tokens_per_pos"):
-        assert tree_m[key] == chain_m[key], key
-    assert chain_m["num_accepted_tokens"] > chain_m["num_drafts"]  # drafts were accepted
+    assert_cap_1_is_the_native_chain(tiny_llama_repetitive,
+                                     make_drafter(tiny_llama_repetitive, BLOCK, mode="repeat"),
+                                     BLOCK, async_scheduling=async_scheduling)

@@ -33,9 +33,10 @@ from tests.gpu_utils import (
     FLOAT32_NEAR_TIE,
     MAX_TOKENS,
     PROMPTS16,
+    assert_cap_1_is_the_native_chain,
     assert_identical_or_near_tie,
     gpu_llm,
-    greedy_with_top2,
+    reference_then_ddtree,
 )
 
 
@@ -142,18 +143,10 @@ def test_v2_seeded_sampling_is_plain_decodings(gpu_qwen3, make_drafter, monkeypa
 
 def test_v2_logprobs_are_plain_decodings(gpu_qwen3, make_drafter, monkeypatch, tmp_path,
                                         v2_runner):
-    plain = gpu_llm(gpu_qwen3, graphs=False)
-    try:
-        ids = prompt_ids(plain, PROMPTS)
-        reference = greedy_with_top2(plain, PROMPTS)
-    finally:
-        shutdown(plain)
-    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [r[0] for r in reference])))
-    llm = gpu_llm(gpu_qwen3, _ddtree(make_drafter(gpu_qwen3, BLOCK), 16), graphs=False)
-    try:
-        got = greedy_with_top2(llm, PROMPTS)
-    finally:
-        shutdown(llm)
+    _, reference, got = reference_then_ddtree(
+        gpu_qwen3, PROMPTS, _ddtree(make_drafter(gpu_qwen3, BLOCK), 16), monkeypatch,
+        tmp_path, with_top2=True, graphs=False,
+    )
     for (tokens, top2), (ref_tokens, ref_top2) in zip(got, reference, strict=True):
         assert tokens == ref_tokens
         assert len(top2) == len(ref_top2) == len(tokens)
@@ -165,62 +158,28 @@ def test_v2_logprobs_are_plain_decodings(gpu_qwen3, make_drafter, monkeypatch, t
 
 def test_v2_topk_cap_1_is_the_native_dflash_chain(tiny_llama_repetitive, make_drafter,
                                                   v2_runner):
-    drafter = make_drafter(tiny_llama_repetitive, BLOCK, mode="repeat")
-    runs = {}
-    for name, config in {
-        "dflash": {"method": "dflash", "model": str(drafter),
-                   "num_speculative_tokens": BLOCK - 1},
-        "ddtree": _ddtree(drafter, BLOCK - 1, 1),
-    }.items():
-        llm = gpu_llm(tiny_llama_repetitive, config, graphs=True)
-        try:
-            runs[name] = (greedy(llm, PROMPTS16, 48), spec_metrics(llm))
-        finally:
-            shutdown(llm)
-    (chain_out, chain_m), (tree_out, tree_m) = runs["dflash"], runs["ddtree"]
-    assert tree_out == chain_out
-    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                "num_accepted_tokens_per_pos"):
-        assert tree_m[key] == chain_m[key], key
-    assert chain_m["num_accepted_tokens"] > chain_m["num_drafts"]
+    assert_cap_1_is_the_native_chain(
+        tiny_llama_repetitive, make_drafter(tiny_llama_repetitive, BLOCK, mode="repeat"), BLOCK)
 
 
 def test_v2_mixed_prefill_and_tree_steps(gpu_qwen3, make_drafter, monkeypatch, tmp_path,
                                         v2_runner):
     prompts = [*PROMPTS, " ".join(PROMPTS) * 2, " ".join(reversed(PROMPTS)) * 3]
-    kw = {"graphs": False, "max_num_batched_tokens": 64, "enable_chunked_prefill": True,
-          "enable_prefix_caching": False}
-    plain = gpu_llm(gpu_qwen3, **kw)
-    try:
-        ids = prompt_ids(plain, prompts)
-        reference = greedy_with_top2(plain, prompts)
-    finally:
-        shutdown(plain)
+    ids, reference, got = reference_then_ddtree(
+        gpu_qwen3, prompts, _ddtree(make_drafter(gpu_qwen3, BLOCK), 5, 2), monkeypatch,
+        tmp_path, graphs=False, max_num_batched_tokens=64, enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+    )
     assert max(len(i) for i in ids) > 2 * 64  # the long prompts need several chunks
-    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [r[0] for r in reference])))
-    llm = gpu_llm(gpu_qwen3, _ddtree(make_drafter(gpu_qwen3, BLOCK), 5, 2), **kw)
-    try:
-        got = greedy(llm, prompts, MAX_TOKENS)
-    finally:
-        shutdown(llm)
     assert assert_identical_or_near_tie(got, reference, FLOAT32_NEAR_TIE) >= len(prompts) - 1
 
 
 def test_v2_bfloat16_match_rate(gpu_qwen3, make_drafter, monkeypatch, tmp_path, capfd,
                                 v2_runner):
-    kw = {"dtype": "bfloat16", "graphs": True}
-    plain = gpu_llm(gpu_qwen3, **kw)
-    try:
-        ids = prompt_ids(plain, PROMPTS16)
-        reference = greedy_with_top2(plain, PROMPTS16)
-    finally:
-        shutdown(plain)
-    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [r[0] for r in reference])))
-    llm = gpu_llm(gpu_qwen3, _ddtree(make_drafter(gpu_qwen3, BLOCK), 16), **kw)
-    try:
-        got = greedy(llm, PROMPTS16, MAX_TOKENS)
-    finally:
-        shutdown(llm)
+    _, reference, got = reference_then_ddtree(
+        gpu_qwen3, PROMPTS16, _ddtree(make_drafter(gpu_qwen3, BLOCK), 16), monkeypatch,
+        tmp_path, dtype="bfloat16", graphs=True,
+    )
     log = "".join(capfd.readouterr())
     assert "Using FLASH_ATTN attention backend" in log
     expected = [r[0] for r in reference]
