@@ -51,9 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on the V1 runner with it (rows plain-v1-async, chain-v1-async); "
                         "the V1 rows are GPU only")
     p.add_argument("--ddtree-scheduling", default="default",
-                   help="comma list of default, sync, async: DDTree rows with the plugin's "
-                        "default scheduling (ddtree-b16-k4), without async scheduling "
-                        "(ddtree-b16-k4-sync) and/or with it (ddtree-b16-k4-async; GPU only)")
+                   help="comma list of default, sync, async, v2: DDTree rows with the "
+                        "plugin's default runner and scheduling (ddtree-b16-k4), without async "
+                        "scheduling (ddtree-b16-k4-sync), with it (ddtree-b16-k4-async; GPU "
+                        "only) and/or on vLLM's V2 runner with vLLM's default scheduling "
+                        "(ddtree-b16-k4-v2; vLLM 0.33 on GPU only)")
     p.add_argument("--quick", action="store_true", help="a few configs, for CI")
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--caps", type=str, nargs="+", default=["1", "2", "4", "none"])
@@ -93,24 +95,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--baseline-runners takes default, v1, v1-async; got {args.baseline_runners}")
     args.ddtree_scheduling = [x.strip() for x in args.ddtree_scheduling.split(",") if x.strip()]
     if not args.ddtree_scheduling or set(args.ddtree_scheduling) - set(DDTREE_SUFFIX):
-        p.error(f"--ddtree-scheduling takes default, sync, async; got {args.ddtree_scheduling}")
+        p.error("--ddtree-scheduling takes default, sync, async, v2; got "
+                f"{args.ddtree_scheduling}")
     return args
 
 
-# Row-name suffix of each engine setting, and what it sets: (V1 runner forced, async
-# scheduling; None leaves vLLM's / the plugin's default).
+# Row-name suffix of each engine setting, and what it sets: (the model runner forced,
+# "v1" or "v2", async scheduling; None leaves vLLM's / the plugin's default).
 BASELINE_SUFFIX = {"default": "", "v1": "-v1", "v1-async": "-v1-async"}
-DDTREE_SUFFIX = {"default": "", "sync": "-sync", "async": "-async"}
-_SETTINGS = {"-v1-async": (True, True), "-v1": (True, False), "-sync": (False, False),
-             "-async": (False, True)}
+DDTREE_SUFFIX = {"default": "", "sync": "-sync", "async": "-async", "v2": "-v2"}
+_SETTINGS = {"-v1-async": ("v1", True), "-v1": ("v1", False), "-sync": (None, False),
+             "-async": (None, True), "-v2": ("v2", None)}
 
 
-def engine_overrides(name: str) -> tuple[bool, bool | None]:
-    """(force the V1 runner, async scheduling or None) of a row, from its name."""
+def engine_overrides(name: str) -> tuple[str | None, bool | None]:
+    """(the model runner forced or None, async scheduling or None) of a row, from its
+    name."""
     for suffix, settings in _SETTINGS.items():  # "-v1-async" before "-async"
         if name.endswith(suffix):
             return settings
-    return False, None
+    return None, None
 
 
 def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
@@ -162,17 +166,18 @@ def spec_counters(llm) -> dict[str, Any]:
 
 
 def run_method(target: Path, config: dict | None, args: argparse.Namespace,
-               v1: bool = False, async_scheduling: bool | None = None
+               runner: str | None = None, async_scheduling: bool | None = None
                ) -> tuple[list[dict], dict]:
-    """Rows of one engine, and the runner settings it resolved. ``v1``: on the V1 model
-    runner (DDTree's); ``async_scheduling``: on or off (None: the default)."""
+    """Rows of one engine, and the runner settings it resolved. ``runner``: "v1" or "v2"
+    forced (None: vLLM's default, or DDTree's, V1); ``async_scheduling``: on or off
+    (None: the default)."""
     from vllm import LLM, SamplingParams
 
     # The engine process reads the runner choice when it starts; a DDTree engine
-    # started earlier in this process set it to V1, so default rows clear it.
-    if v1:
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    elif (config or {}).get("method") != "ddtree":
+    # started earlier in this process set it, so rows without a forced runner clear it.
+    if runner is not None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    else:
         os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     llm = LLM(model=str(target), speculative_config=config, dtype=args.dtype,
               enforce_eager=not args.graphs,
@@ -330,8 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, config in methods(args, drafter):
         print(f"[bench] {name} ...", flush=True)
         start = time.perf_counter()
-        v1, async_scheduling = engine_overrides(name)
-        results[name], engines[name] = run_method(target, config, args, v1=v1,
+        runner, async_scheduling = engine_overrides(name)
+        results[name], engines[name] = run_method(target, config, args, runner=runner,
                                                    async_scheduling=async_scheduling)
         print(f"[bench] {name}: {engines[name]}", flush=True)
         print(f"[bench] {name} done in {time.perf_counter() - start:.0f} s", flush=True)

@@ -7,7 +7,8 @@ and torch.compile as vLLM sets them by default, bf16, dummy weights:
   vocabulary 151936); drafter: a z-lab-layout DFlash drafter for it (5 layers, block 16).
   Only config.json files are written (`load_format="dummy"`), so no hub is needed.
 - runs: plain decoding and vLLM's native DFlash chain (15 drafts) on the V1 and the V2
-  model runner, DDTree at each budget on V1 (the runner the plugin uses); each engine
+  model runner, DDTree at each budget on V1 (the runner the plugin uses by default)
+  and, with `--ddtree-runners v1,v2`, on V2 too; each engine
   at batch 1, 8 and 32 with prompts of token ids (no tokenizer).
 - time per step: two generate calls with the same prompts at two output lengths; the
   wall-time difference over the step difference cancels prefill. Steps come from vLLM's
@@ -96,7 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int_list, default=None, help="default 1,8,32")
     p.add_argument("--budgets", type=int_list, default=None, help="default 16,32,64,128,256")
     p.add_argument("--runners", type=name_list, default=["v1", "v2"],
-                   help="model runners for plain and chain runs (DDTree always runs on v1)")
+                   help="model runners for plain and chain runs")
+    p.add_argument("--ddtree-runners", type=name_list, default=["v1"],
+                   help="model runners for DDTree runs: v1 (the plugin's default) and/or v2 "
+                        "(VLLM_USE_V2_MODEL_RUNNER=1, vLLM 0.33)")
     p.add_argument("--methods", type=name_list, default=["plain", "chain", "ddtree"],
                    help=f"subset of {','.join(METHODS)} (to split a long run)")
     p.add_argument("--prompt-len", type=int, default=1024)
@@ -139,6 +143,8 @@ def resolve_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> ar
         p.error(f"--long-len {args.long_len} must exceed --short-len {args.short_len}")
     if bad := sorted(set(args.runners) - {"v1", "v2"}):
         p.error(f"--runners: unknown {bad}; allowed v1, v2")
+    if bad := sorted(set(args.ddtree_runners) - {"v1", "v2"}):
+        p.error(f"--ddtree-runners: unknown {bad}; allowed v1, v2")
     if bad := sorted(set(args.methods) - set(METHODS)):
         p.error(f"--methods: unknown {bad}; allowed {', '.join(METHODS)}")
     if min(args.batches) < 1 or min(args.budgets) < 1 or args.prompt_len < 1:
@@ -206,7 +212,8 @@ def plan_runs(args: argparse.Namespace) -> list[EngineRun]:
             if m in args.methods]
     for method in ("ddtree", *PREFIX_METHODS):
         if method in args.methods:
-            runs += [EngineRun("v1", method, b) for b in args.budgets]
+            runs += [EngineRun(r, method, b) for r in args.ddtree_runners
+                     for b in args.budgets]
     return runs
 
 

@@ -153,17 +153,21 @@ def test_scheduling_options_set_each_engines_runner_and_scheduling(tmp_path, mon
     out = tmp_path / "sched"
     bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods",
                 "chain,ddtree", "--baseline-runners", "default,v1-async", "--budgets", "16",
-                "--caps", "4", "--ddtree-scheduling", "default,sync,async",
+                "--caps", "4", "--ddtree-scheduling", "v2,default,sync,async",
                 "--max-tokens", "4", "--out", str(out)])
     saved = json.loads(out.with_suffix(".json").read_text())
     names = list(saved["results"])
-    assert names == ["chain", "chain-v1-async", "ddtree-b16-k4", "ddtree-b16-k4-sync",
-                     "ddtree-b16-k4-async"]
+    assert names == ["chain", "chain-v1-async", "ddtree-b16-k4-v2", "ddtree-b16-k4",
+                     "ddtree-b16-k4-sync", "ddtree-b16-k4-async"]
     made = dict(zip(names, FakeLLM.made, strict=True))
     assert made["chain"]["env_v2"] is None and "async_scheduling" not in made["chain"]
     assert made["chain-v1-async"]["env_v2"] == "0"
     assert made["chain-v1-async"]["async_scheduling"] is True
     assert "async_scheduling" not in made["ddtree-b16-k4"]
+    # The V2 row asks for vLLM's V2 runner; the DDTree rows after it clear that again.
+    assert made["ddtree-b16-k4-v2"]["env_v2"] == "1"
+    assert "async_scheduling" not in made["ddtree-b16-k4-v2"]
+    assert made["ddtree-b16-k4"]["env_v2"] is None
     assert made["ddtree-b16-k4-sync"]["async_scheduling"] is False
     assert made["ddtree-b16-k4-async"]["async_scheduling"] is True
     assert all(m["speculative_config"]["ddtree_budget"] == 16

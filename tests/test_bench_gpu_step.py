@@ -87,10 +87,17 @@ def test_plugin_digest_names_the_code_not_the_checkout(tmp_path):
     assert env["plugin_digest"] == bench.plugin_digest(repo_pkg)
 
 
+def test_ddtree_runs_on_each_runner_asked_for():
+    args = SimpleNamespace(runners=["v2"], ddtree_runners=["v1", "v2"],
+                           methods=["chain", "ddtree"], budgets=[16])
+    assert [(r.runner, r.method, r.budget) for r in bench.plan_runs(args)] == [
+        ("v2", "chain", None), ("v1", "ddtree", 16), ("v2", "ddtree", 16)]
+
+
 def test_prefix_methods_pin_the_prefix_attention(tmp_path):
     """ddtree-triton / ddtree-flash are DDTree with ddtree_prefix_attention 'triton' /
     'flash_attn', planned per budget next to the default's DDTree engines."""
-    args = SimpleNamespace(runners=["v1"],
+    args = SimpleNamespace(runners=["v1"], ddtree_runners=["v1"],
                            methods=["plain", "ddtree", "ddtree-triton", "ddtree-flash"],
                            budgets=[16, 32])
     runs = bench.plan_runs(args)
