@@ -199,7 +199,7 @@ def test_steps_without_drafts_publish_nothing():
     assert step.batch.positions.tolist() == step.positions0
 
 
-def test_bad_words_and_custom_processors_keep_requests_on_chains():
+def test_bad_words_thinking_budgets_and_custom_processors_keep_requests_on_chains():
     from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
 
     sampler = Step().sampler
@@ -208,8 +208,13 @@ def test_bad_words_and_custom_processors_keep_requests_on_chains():
     bad_words.num_bad_words.np[3] = 2
     sampler.logits_processors = [bad_words, object()]
     sampler.needs_logits_processing[4] = True
-    allowed = runner_v2.tree_allowed(sampler, np.array([5, 2, 3, 4, 6]))
-    assert allowed.tolist() == [True, False, False, False, True]
+    sampler.thinking_budget_state = SimpleNamespace(
+        enabled=True, use_thinking_budget=np.zeros(MAX_REQS, dtype=bool))
+    sampler.thinking_budget_state.use_thinking_budget[1] = True
+    allowed = runner_v2.tree_allowed(sampler, np.array([5, 2, 3, 4, 6, 1]))
+    assert allowed.tolist() == [True, False, False, False, True, False]
+    sampler.thinking_budget_state.enabled = False  # no reasoning config: nothing to count
+    assert runner_v2.tree_allowed(sampler, np.array([1])).tolist() == [True]
 
 
 def unused_token(tree_tokens: torch.Tensor) -> int:

@@ -89,6 +89,10 @@ def test_sampler_points():
             "penalties_state", "req_states", "logprobs_mode")
     assigns(PenaltiesState, "use_penalty")
     assigns(BadWordsState, "num_bad_words")
+    from vllm.v1.worker.gpu.sample.thinking_budget import ThinkingBudgetState
+
+    assigns(ThinkingBudgetState, "enabled", "use_thinking_budget")
+    assigns(Sampler, "thinking_budget_state")
     assert params(RejectionSampler.__call__) == [
         "self", "logits", "input_batch", "draft_logits", "invalid_drafts"]
     assert params(get_num_sampled_and_rejected) == [

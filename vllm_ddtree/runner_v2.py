@@ -20,7 +20,7 @@ four points (patches._patch_v2_model_runner):
 4. after drafting: the speculator maps request states to their new trees.
 
 Requests whose sampling reads the drafts as a chain (repetition, frequency or
-presence penalties, bad words, custom logits processors) are verified as the
+presence penalties, bad words, a thinking budget, custom logits processors) are verified as the
 chain of their drafts; a batch with structured-output requests goes to vLLM's
 own rejection sampler, as chains.
 """
@@ -202,13 +202,16 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
 def tree_allowed(sampler, idx_mapping_np: np.ndarray) -> np.ndarray:
     """Per request (by state index): may it verify a tree? Not where a logits
     processor reads the drafts before a row as that row's history (penalties, bad
-    words; custom processors, whose reading is unknown): a tree's rows would see
+    words, a thinking budget; custom processors, whose reading is unknown): a tree's rows would see
     their preorder neighbours instead of their ancestors."""
     from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
     from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
     from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
 
     allowed = ~sampler.penalties_state.use_penalty[idx_mapping_np]
+    thinking = getattr(sampler, "thinking_budget_state", None)
+    if getattr(thinking, "enabled", False):  # counts thinking tokens in the drafts before a row
+        allowed &= ~thinking.use_thinking_budget[idx_mapping_np]
     for proc in sampler.logits_processors:
         if isinstance(proc, BadWordsState):
             allowed &= proc.num_bad_words.np[idx_mapping_np] == 0
