@@ -122,7 +122,6 @@ def begin_verify_step(
     num_reqs = runner.input_batch.num_reqs
     device = runner.positions.device
     query_start_host = runner.query_start_loc.cpu[: num_reqs + 1].numpy().astype(np.int64)
-    query_lens = np.diff(query_start_host)
 
     # Trees come from the drafter; any request without one (or whose drafts
     # were changed on the way, or that is grammar-constrained) is verified as
@@ -161,15 +160,28 @@ def begin_verify_step(
         row_start=row_start,
         max_depth=state.ddtree.max_depth,
     )
+    state.attn_info = step_attention_info(tree, query_start_host, num_draft, state.mask_buffer)
+
+
+def step_attention_info(
+    tree: DDTree,  # the step's trees, [num_reqs, width] per field
+    query_start_host: np.ndarray,  # [num_reqs + 1] int64, the batch's query offsets
+    num_draft: np.ndarray,  # [num_reqs] int64, drafts sent per request
+    buffer: torch.Tensor,  # the persistent mask buffer the trees' masks were packed into
+) -> TreeAttentionInfo:
+    """What the attention metadata builders see of a verify step (host data only):
+    each request's tree rows end its query rows, and a request without drafts has
+    none."""
+    num_reqs, width = tree.tokens.shape
     has_tree = num_draft > 0
-    state.attn_info = TreeAttentionInfo(
+    return TreeAttentionInfo(
         tree_mask=tree.ancestor_mask,
         row_start=torch.from_numpy(query_start_host[1:] - num_draft - 1),
         num_rows=torch.from_numpy(np.where(has_tree, num_draft + 1, 0)),
         tree_reqs=np.flatnonzero(has_tree).tolist(),
-        all_rows_are_tree_rows=bool((query_lens == num_draft + 1).all()),
-        packed_mask=packed_view(state.mask_buffer, num_reqs, width),
-        mask_buffer=state.mask_buffer,
+        all_rows_are_tree_rows=bool((np.diff(query_start_host) == num_draft + 1).all()),
+        packed_mask=packed_view(buffer, num_reqs, width),
+        mask_buffer=buffer,
     )
 
 

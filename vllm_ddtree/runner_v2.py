@@ -32,17 +32,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from vllm.config.model import PROCESSED_LOGPROBS_MODES
 from vllm.logger import init_logger
+from vllm.v1.worker.gpu import input_batch as v2_input_batch
+from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
+from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
 
 from vllm_ddtree.attention.state import (
     TreeAttentionInfo,
     causal_attention_info,
     mask_buffer,
-    packed_view,
     publishing,
 )
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.runner import KVGroup, compact_accepted
+from vllm_ddtree.runner import KVGroup, compact_accepted, step_attention_info
 from vllm_ddtree.sampler import TreeVerifyStep, step_rows
 from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.sync import step_phase, to_device
@@ -187,16 +194,7 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
     )
     state.step = TreeVerifyStep(tree=tree, num_scheduled=num_scheduled, row_start=row_start,
                                 max_depth=state.ddtree.max_depth)
-    has_tree = num_draft > 0
-    state.attn_info = TreeAttentionInfo(
-        tree_mask=tree.ancestor_mask,
-        row_start=torch.from_numpy(query_start[1:] - num_draft - 1),
-        num_rows=torch.from_numpy(np.where(has_tree, num_draft + 1, 0)),
-        tree_reqs=np.flatnonzero(has_tree).tolist(),
-        all_rows_are_tree_rows=bool((np.diff(query_start) == num_draft + 1).all()),
-        packed_mask=packed_view(state.mask_buffer, num_reqs, width),
-        mask_buffer=state.mask_buffer,
-    )
+    state.attn_info = step_attention_info(tree, query_start, num_draft, state.mask_buffer)
 
 
 def tree_allowed(sampler, idx_mapping_np: np.ndarray) -> np.ndarray:
@@ -204,10 +202,6 @@ def tree_allowed(sampler, idx_mapping_np: np.ndarray) -> np.ndarray:
     processor reads the drafts before a row as that row's history (penalties, bad
     words, a thinking budget; custom processors, whose reading is unknown): a tree's rows would see
     their preorder neighbours instead of their ancestors."""
-    from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
-    from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
-    from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
-
     allowed = ~sampler.penalties_state.use_penalty[idx_mapping_np]
     thinking = getattr(sampler, "thinking_budget_state", None)
     if getattr(thinking, "enabled", False):  # counts thinking tokens in the drafts before a row
@@ -236,11 +230,6 @@ class DDTreeV2Sampler:
         return getattr(chain_sampler, name)
 
     def __call__(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
-        from vllm.config.model import PROCESSED_LOGPROBS_MODES
-        from vllm.v1.worker.gpu.metrics.logits import get_num_nans
-        from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
-        from vllm.v1.worker.gpu.sample.output import SamplerOutput
-
         state: DDTreeV2State = self.runner.ddtree_state
         step = state.step
         if step is None or state.chain_only or input_batch.num_draft_tokens == 0:
@@ -290,15 +279,13 @@ class DDTreeV2Sampler:
     def _walk(self, row_tokens: torch.Tensor, input_batch: InputBatch, step: TreeVerifyStep):
         """The walk over every request's tree: (logits row of each node, the output in
         chain format, tokens sampled and drafts rejected per request)."""
-        from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
-
         num_reqs = input_batch.num_reqs
         width = step.tree.tokens.shape[1]
         rows = step_rows(input_batch.cu_num_logits[1 : num_reqs + 1], step.num_scheduled, width)
         walk = walk_tree(step.tree, row_tokens.view(-1)[rows], step.max_depth)
         step.walk = walk
         sampled = walk.output_tokens[:, :width].contiguous()
-        num_sampled, num_rejected = get_num_sampled_and_rejected(
+        num_sampled, num_rejected = v2_input_batch.get_num_sampled_and_rejected(
             (walk.num_accepted + 1).to(torch.int32), input_batch.seq_lens,
             input_batch.cu_num_logits, input_batch.idx_mapping,
             self.sampler.req_states.prefill_len.gpu,
