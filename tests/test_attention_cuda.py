@@ -419,6 +419,50 @@ def test_builder_attaches_only_a_published_tree():
     assert cpu.DDTreeCPUAttentionMetadataBuilder._cudagraph_support.name == "NEVER"
 
 
+@dataclass
+class CaptureMetadata:
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass
+class CaptureTreeMetadata(CaptureMetadata):
+    tree: TreeAttentionInfo | None = None
+
+
+class StandInTritonBuilder:
+    """vLLM's Triton builder as a capture sees it: seq_lens of 1 in the capture build."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        query_start_loc, seq_lens = common_attn_metadata
+        return CaptureMetadata(query_start_loc, seq_lens)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        metadata = self.build(0, common_attn_metadata)
+        metadata.seq_lens.fill_(1)
+        return metadata
+
+
+class CaptureBuilder(TreeMetadataBuilderMixin, StandInTritonBuilder):
+    metadata_cls = CaptureTreeMetadata
+
+
+def test_capture_build_gives_tree_rows_their_keys():
+    """A full graph of verify shape is captured with a causal tree published: each
+    dummy request's seq_len must cover its rows (the parent's capture build sets 1,
+    and a tree row reads seq_len - rows prefix keys), in the buffer replays read."""
+    query_start_loc = torch.tensor([0, 4, 8, 11], dtype=torch.int32)  # uneven: 4, 4, 3
+    seq_lens = torch.tensor([4, 4, 3, 0], dtype=torch.int32)  # a padded buffer
+    builder = CaptureBuilder()
+    with publishing(causal_attention_info(query_start_loc, 4)):
+        metadata = builder.build_for_cudagraph_capture((query_start_loc, seq_lens[:3]))
+    assert metadata.tree is not None
+    assert metadata.seq_lens.data_ptr() == seq_lens.data_ptr()
+    assert seq_lens.tolist() == [4, 4, 3, 0]
+    plain = builder.build_for_cudagraph_capture((query_start_loc, seq_lens[:3]))
+    assert type(plain) is CaptureMetadata and seq_lens.tolist() == [1, 1, 1, 0]
+
+
 def test_masks_are_packed_into_the_persistent_buffer():
     """A captured kernel reads the step's masks from one buffer: prepare_for writes
     them there (narrower steps into its corner), and leaves other rows alone."""

@@ -15,7 +15,7 @@ so a host-device synchronisation in the plugin's part of a step raises.
   rounding flips, which must stay rare);
 - ``ddtree_topk_cap: 1`` with budget = block_size - 1 reproduces V2's native
   DFlash chain: same tokens, same draft and acceptance counters;
-- log-probabilities of the sampled tokens equal plain decoding's;
+- log-probabilities of the sampled tokens equal plain decoding's (up to TF32 rounding);
 - chunked prefill next to tree verification, and bf16 on FLASH_ATTN (match rate,
   divergences only at near ties).
 """
@@ -55,6 +55,11 @@ pytestmark = [
 ]
 
 BLOCK = 8
+# vLLM's float32 Triton attention runs its dots in TF32 (10-bit mantissas; the tree
+# kernel runs 3-pass TF32), in both engines' prefills and in every plain decode step:
+# the same token's log-probability differed by 2.9e-3 between the two on the H200.
+# (Logits read off a wrong row are another distribution altogether.)
+LOGPROB_ATOL = 1e-2
 BUDGETS = [1, 7, 16, 17, 64]
 
 
@@ -153,7 +158,7 @@ def test_v2_logprobs_are_plain_decodings(gpu_qwen3, make_drafter, monkeypatch, t
         for step, ref_step in zip(top2, ref_top2, strict=True):
             assert step.keys() == ref_step.keys()
             for token, logprob in step.items():
-                assert logprob == pytest.approx(ref_step[token], abs=1e-3)
+                assert logprob == pytest.approx(ref_step[token], abs=LOGPROB_ATOL)
 
 
 def test_v2_topk_cap_1_is_the_native_dflash_chain(tiny_llama_repetitive, make_drafter,

@@ -190,6 +190,20 @@ def test_budgets_match_reference(budget: int):
     check_against_reference(batch, pack_tree_mask(mask) if budget % 2 else mask)
 
 
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_fewer_keys_than_rows_attend_the_rows_alone(num_splits):
+    """A capture's dummy batch can give a request fewer keys than verify rows (vLLM's
+    Triton builder captures with seq_lens of 1): the kernel then attends as with no
+    prefix, and reads no key position below 0 (here the block table's previous row,
+    whose last columns point at foreign or NaN blocks)."""
+    trees = random_trees([7, 7], seed=21)
+    batch = make_batch([8, 8], [20, 0], (4, 2), 64, torch.float32, seed=21)
+    mask = pack_tree_mask(padded_tree_mask(trees, 8, seed=21))
+    expected = run_reference(batch, mask)
+    batch.seq_lens[1] = 1
+    assert_close(run_triton(batch, mask, num_splits=num_splits), expected)
+
+
 def test_many_requests():
     # A grid big enough to skip split-KV: the default 128-row tiles, mixed widths.
     rng = random.Random(9)

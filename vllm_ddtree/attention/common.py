@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import ClassVar
 
+import torch
+
 from vllm.v1.attention.backend import AttentionCGSupport
 
 from vllm_ddtree.attention.state import current_tree
@@ -29,6 +31,21 @@ class TreeMetadataBuilderMixin:
         tree.prepare_for(metadata.query_start_loc.device)
         values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
         return self.metadata_cls(**values, tree=tree)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        """The parent's capture build, with every dummy request's ``seq_len`` at least
+        its query rows where a tree is published. vLLM's Triton builder captures with
+        ``seq_lens`` of 1 (a decode step's), but a tree row reads ``seq_len - rows``
+        prefix keys: less than none would send the capture's warm-up run, and the
+        graph's kernels, to key positions below 0 (an illegal address on vLLM's V2
+        runner). Replays read the real step's ``seq_lens`` from the same buffer."""
+        metadata = super().build_for_cudagraph_capture(common_attn_metadata)
+        if getattr(metadata, "tree", None) is not None:
+            seq_lens = metadata.seq_lens
+            query_lens = metadata.query_start_loc[1 : seq_lens.shape[0] + 1] - \
+                metadata.query_start_loc[: seq_lens.shape[0]]
+            torch.maximum(seq_lens, query_lens.to(seq_lens.dtype), out=seq_lens)
+        return metadata
 
 
 def check_tree_support(impl, output_scale=None, output_block_scale=None) -> None:

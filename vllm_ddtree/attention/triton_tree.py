@@ -281,7 +281,10 @@ def tree_attention_kernel(
     if pid_q * TOKENS_PER_TILE >= num_queries:
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    prefix_len = seq_len - num_queries
+    # Never below 0, so no key position is: a request with fewer keys than rows is no
+    # real step's, but a capture's dummy batch can be one (vLLM's Triton builder
+    # captures with seq_lens of 1; TreeMetadataBuilderMixin raises them).
+    prefix_len = tl.maximum(seq_len - num_queries, 0)
     qi = pid_q * TOKENS_PER_TILE + rows // GROUP  # verify token of each row
     row_ok = row_in_tile & (qi < num_queries)
     token = (q_start + qi).to(tl.int64)
