@@ -55,10 +55,11 @@ pytestmark = [
 ]
 
 BLOCK = 8
-# vLLM's float32 Triton attention runs its dots in TF32 (10-bit mantissas; the tree
-# kernel runs 3-pass TF32), in both engines' prefills and in every plain decode step:
-# the same token's log-probability differed by 2.9e-3 between the two on the H200.
-# (Logits read off a wrong row are another distribution altogether.)
+# vLLM's float32 Triton attention runs its dots in TF32 by default (Triton's default
+# for float32; the tree kernel asks for 3-pass TF32): the same token's log-probability
+# then differed by 1.05e-2 for one token between plain decoding and DDTree on the H200. The
+# log-probability test makes Triton's default IEEE float32 (TRITON_F32_DEFAULT=ieee,
+# read by both engines' processes), under which it passed at this tolerance.
 LOGPROB_ATOL = 1e-2
 BUDGETS = [1, 7, 16, 17, 64]
 
@@ -148,17 +149,21 @@ def test_v2_seeded_sampling_is_plain_decodings(gpu_qwen3, make_drafter, monkeypa
 
 def test_v2_logprobs_are_plain_decodings(gpu_qwen3, make_drafter, monkeypatch, tmp_path,
                                         v2_runner):
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     _, reference, got = reference_then_ddtree(
         gpu_qwen3, PROMPTS, _ddtree(make_drafter(gpu_qwen3, BLOCK), 16), monkeypatch,
         tmp_path, with_top2=True, graphs=False,
     )
+    worst = 0.0
     for (tokens, top2), (ref_tokens, ref_top2) in zip(got, reference, strict=True):
         assert tokens == ref_tokens
         assert len(top2) == len(ref_top2) == len(tokens)
         for step, ref_step in zip(top2, ref_top2, strict=True):
             assert step.keys() == ref_step.keys()
             for token, logprob in step.items():
-                assert logprob == pytest.approx(ref_step[token], abs=LOGPROB_ATOL)
+                worst = max(worst, abs(logprob - ref_step[token]))
+    print(f"largest log-probability difference: {worst:.3g}")
+    assert worst <= LOGPROB_ATOL
 
 
 def test_v2_topk_cap_1_is_the_native_dflash_chain(tiny_llama_repetitive, make_drafter,
