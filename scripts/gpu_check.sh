@@ -26,7 +26,9 @@ export PYTHONPATH=/root/site:$PWD
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -rA -p no:cacheprovider -n "${WORKERS:-8}" \
+  # -v: each result is logged as it comes, so a run cut off by its timeout still says
+  # which tests passed and failed ($out/gpu_tests.log comes back either way).
+  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v --tb=short -rfE -p no:cacheprovider -n "${WORKERS:-8}" \
     ${GPU_TESTS:-tests/test_gpu_e2e.py tests/test_gpu_e2e_v2.py tests/test_v2_interface.py} "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -v "^INFO\|^(EngineCore" | tail -60
   rc=${PIPESTATUS[0]}
   echo "gpu tests exit code: $rc"
