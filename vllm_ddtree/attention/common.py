@@ -6,7 +6,6 @@ from dataclasses import fields
 from typing import ClassVar
 
 import torch
-
 from vllm.v1.attention.backend import AttentionCGSupport
 
 from vllm_ddtree.attention.state import current_tree
@@ -42,8 +41,7 @@ class TreeMetadataBuilderMixin:
         metadata = super().build_for_cudagraph_capture(common_attn_metadata)
         if getattr(metadata, "tree", None) is not None:
             seq_lens = metadata.seq_lens
-            query_lens = metadata.query_start_loc[1 : seq_lens.shape[0] + 1] - \
-                metadata.query_start_loc[: seq_lens.shape[0]]
+            query_lens = metadata.query_start_loc.diff()[: seq_lens.shape[0]]
             torch.maximum(seq_lens, query_lens.to(seq_lens.dtype), out=seq_lens)
         return metadata
 
