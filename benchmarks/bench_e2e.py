@@ -51,12 +51,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on the V1 runner with it (rows plain-v1-async, chain-v1-async); "
                         "the V1 rows are GPU only")
     p.add_argument("--ddtree-scheduling", default="default",
-                   help="comma list of default, sync, async, v2: DDTree rows with the "
-                        "plugin's default runner and scheduling (ddtree-b16-k4), without async "
+                   help="comma list of default, sync, async, v1, v2: DDTree rows with the "
+                        "plugin's default runner (V2 on vLLM 0.33 with CUDA, else V1) and "
+                        "scheduling (ddtree-b16-k4), on that runner without async "
                         "scheduling (ddtree-b16-k4-sync), with it (ddtree-b16-k4-async; GPU "
-                        "only) and/or on vLLM's V2 runner with vLLM's default scheduling "
+                        "only), on the V1 runner without it (ddtree-b16-k4-v1) and/or on "
+                        "vLLM's V2 runner with vLLM's default scheduling "
                         "(ddtree-b16-k4-v2; vLLM 0.33 on GPU only)")
-    p.add_argument("--quick", action="store_true", help="a few configs, for CI")
+    p.add_argument("--quick", action="store_true",
+                   help="a few configs, for CI (batch 1: the first prompt only)")
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--caps", type=str, nargs="+", default=["1", "2", "4", "none"])
     p.add_argument("--max-tokens", type=int, default=64)
@@ -95,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--baseline-runners takes default, v1, v1-async; got {args.baseline_runners}")
     args.ddtree_scheduling = [x.strip() for x in args.ddtree_scheduling.split(",") if x.strip()]
     if not args.ddtree_scheduling or set(args.ddtree_scheduling) - set(DDTREE_SUFFIX):
-        p.error("--ddtree-scheduling takes default, sync, async, v2; got "
+        p.error("--ddtree-scheduling takes default, sync, async, v1, v2; got "
                 f"{args.ddtree_scheduling}")
     return args
 
@@ -103,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Row-name suffix of each engine setting, and what it sets: (the model runner forced,
 # "v1" or "v2", async scheduling; None leaves vLLM's / the plugin's default).
 BASELINE_SUFFIX = {"default": "", "v1": "-v1", "v1-async": "-v1-async"}
-DDTREE_SUFFIX = {"default": "", "sync": "-sync", "async": "-async", "v2": "-v2"}
+DDTREE_SUFFIX = {"default": "", "sync": "-sync", "async": "-async", "v1": "-v1", "v2": "-v2"}
 _SETTINGS = {"-v1-async": ("v1", True), "-v1": ("v1", False), "-sync": (None, False),
              "-async": (None, True), "-v2": ("v2", None)}
 
@@ -169,7 +172,7 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace,
                runner: str | None = None, async_scheduling: bool | None = None
                ) -> tuple[list[dict], dict]:
     """Rows of one engine, and the runner settings it resolved. ``runner``: "v1" or "v2"
-    forced (None: vLLM's default, or DDTree's, V1); ``async_scheduling``: on or off
+    forced (None: vLLM's default, or DDTree's); ``async_scheduling``: on or off
     (None: the default)."""
     from vllm import LLM, SamplingParams
 
@@ -195,15 +198,19 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace,
         for batch in (1, 8):
             params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
                                     ignore_eos=True, seed=0)
-            batch_prompts = (prompts * 2)[:batch]
+            # Batch 1 runs each prompt alone, one after another, so its tau and tok/s
+            # cover every kind of prompt (code, math, chat, prose) as batch 8 does
+            # (--quick: the first alone, to stay inside CI's time).
+            alone = [[p] for p in prompts[: 1 if args.quick else None]]
+            batches = alone if batch == 1 else [(prompts * 2)[:batch]]
             # Warm-up at the timed batch: kernels meet this batch's shapes (and compile
             # any variant they lack) before the clock starts.
-            llm.generate(batch_prompts, params, use_tqdm=False)
+            llm.generate(batches[0], params, use_tqdm=False)
             before = spec_counters(llm)
             times = []
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                outputs = llm.generate(batch_prompts, params, use_tqdm=False)
+                outputs = [o for b in batches for o in llm.generate(b, params, use_tqdm=False)]
                 times.append(time.perf_counter() - start)
             after = spec_counters(llm)
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)

@@ -98,9 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", type=int_list, default=None, help="default 16,32,64,128,256")
     p.add_argument("--runners", type=name_list, default=["v1", "v2"],
                    help="model runners for plain and chain runs")
-    p.add_argument("--ddtree-runners", type=name_list, default=["v1"],
-                   help="model runners for DDTree runs: v1 (the plugin's default) and/or v2 "
-                        "(VLLM_USE_V2_MODEL_RUNNER=1, vLLM 0.33)")
+    p.add_argument("--ddtree-runners", type=name_list, default=["v2"],
+                   help="model runners for DDTree runs: v2 (VLLM_USE_V2_MODEL_RUNNER=1; the "
+                        "plugin's default on vLLM 0.33 with CUDA) and/or v1")
     p.add_argument("--methods", type=name_list, default=["plain", "chain", "ddtree"],
                    help=f"subset of {','.join(METHODS)} (to split a long run)")
     p.add_argument("--prompt-len", type=int, default=1024)
@@ -114,8 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             help="async_scheduling=False for every engine")
     scheduling.add_argument("--async-scheduling", action="store_true",
                             help="async_scheduling=True for every engine, DDTree's too "
-                                 "(by default vLLM decides for plain and chain, and DDTree "
-                                 "runs without)")
+                                 "(by default vLLM decides for plain and chain, and the "
+                                 "plugin for DDTree: vLLM's choice on V2, without on V1)")
     p.add_argument("--all-capture-sizes", action="store_true",
                    help="let vLLM capture its default CUDA-graph sizes (slower start)")
     p.add_argument("--no-tree-ops", action="store_true", help="skip the plugin-share part")

@@ -14,6 +14,13 @@ runner and the plugin's hooks together. For each it reports, per decode step:
   inclusive times, so nested parts also count in their callers.
 
     python benchmarks/profile_gpu_step.py --configs chain:1 ddtree16:1 ddtree16:32
+
+By default the engines run the Qwen3-8B shape with dummy weights and token-id prompts,
+as bench_gpu_step.py does, without async scheduling. ``--target DIR --drafter DIR``
+profiles a real pair instead (real weights; the chat prompts of bench_e2e.py, 128 new
+tokens; vLLM's default scheduling), where drafts are accepted and the step does the
+work acceptance brings. ``--runner`` picks the model runner (default v2, DDTree's on
+vLLM 0.33 with CUDA).
 """
 
 from __future__ import annotations
@@ -55,9 +62,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=24, help="decode steps profiled")
     p.add_argument("--top", type=int, default=20, help="operators listed per table")
     p.add_argument("--model-dir", type=Path, default=step_bench.DEFAULT_MODEL_DIR)
+    p.add_argument("--runner", choices=("v1", "v2"), default="v2",
+                   help="model runner of every engine (VLLM_USE_V2_MODEL_RUNNER)")
+    p.add_argument("--target", type=Path, default=None,
+                   help="a real target checkpoint, profiled with --drafter's DFlash drafter")
+    p.add_argument("--drafter", type=Path, default=None)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one config, print JSON
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.target is None) != (args.drafter is None):
+        p.error("--target and --drafter go together")
+    return args
+
+
+REAL_MAX_TOKENS = 128  # new tokens per request on a real pair, as bench_e2e's H200 runs
+REAL_TOPK_CAP = 4      # bench_e2e's ddtree-b*-k4 rows
+
+
+def real_engine(method: str, budget: int | None, batch: int, args: argparse.Namespace):
+    """An engine on the real pair and ``batch`` of bench_e2e's chat prompts (in turn)."""
+    import bench_e2e
+    from vllm import LLM
+
+    block = json.loads((args.drafter / "config.json").read_text())["block_size"]
+    spec = {"plain": None,
+            "chain": {"method": "dflash", "model": str(args.drafter),
+                      "num_speculative_tokens": block - 1},
+            "ddtree": {"method": "ddtree", "model": str(args.drafter),
+                       "ddtree_budget": budget, "ddtree_topk_cap": REAL_TOPK_CAP}}[method]
+    llm = LLM(model=str(args.target), speculative_config=spec, dtype="bfloat16",
+              max_model_len=1024, gpu_memory_utilization=0.3, seed=0, disable_log_stats=False)
+    texts = list(bench_e2e.PROMPTS.values())
+    template = llm.get_tokenizer().apply_chat_template
+    prompts = [template([{"role": "user", "content": texts[i % len(texts)]}], tokenize=False,
+                        add_generation_prompt=True) for i in range(batch)]
+    return llm, prompts
 
 
 def engine_args(batch: int, budget: int | None, prompt_len: int, steps: int) -> argparse.Namespace:
@@ -105,16 +144,22 @@ def phase_times(averages: Any, raw_events: Any, steps: float) -> dict:
 
 def profile_one(method: str, budget: int | None, batch: int, args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     import torch
     from vllm import SamplingParams
 
-    target, drafter = step_bench.write_models(args.model_dir)
-    run = step_bench.EngineRun("v1", method, budget)
-    llm = step_bench.make_engine(run, target, drafter,
-                                 engine_args(batch, budget, args.prompt_len, args.steps))
-    prompts = step_bench.make_prompts(batch, args.prompt_len)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True,
+    speculative = method != "plain"
+    if args.target is not None:
+        llm, prompts = real_engine(method, budget, batch, args)
+        max_tokens = REAL_MAX_TOKENS
+    else:
+        target, drafter = step_bench.write_models(args.model_dir)
+        run = step_bench.EngineRun(args.runner, method, budget)
+        llm = step_bench.make_engine(run, target, drafter,
+                                     engine_args(batch, budget, args.prompt_len, args.steps))
+        prompts = step_bench.make_prompts(batch, args.prompt_len)
+        max_tokens = args.steps
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             detokenize=False)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: shapes, prefix cache
     before = step_bench.read_counters(llm)
@@ -139,7 +184,7 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     # Decode steps per request (+1: the prefill step, which this call also runs).
-    steps = (after["drafts"] - before["drafts"]) / batch if run.speculative else tokens / batch
+    steps = (after["drafts"] - before["drafts"]) / batch if speculative else tokens / batch
     steps = max(1.0, steps)
     events = prof.key_averages()
     kernel_us = sum(device_time(e, self_only=True) for e in events if is_device_work(e))
@@ -149,7 +194,9 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
              "self_kernel_ms": device_time(e, self_only=True) / 1e3 / steps} for e in events]
     top = args.top
     return {
-        "method": method, "budget": budget, "batch": batch, "steps": steps,
+        "method": method, "budget": budget, "batch": batch, "runner": args.runner,
+        "pair": "real" if args.target is not None else "qwen3-8b-dummy", "steps": steps,
+        "tokens_per_step": tokens / batch / steps,
         "wall_ms_per_step": 1e3 * seconds / steps,
         "unprofiled_ms_per_step": 1e3 * plain_seconds / steps,
         "python_top": python_top,
@@ -210,6 +257,29 @@ TIMED = (
     ("vllm_ddtree.runner", None, "compact_after_walk"),
     ("vllm_ddtree.runner", None, "record_drafted_trees"),
     ("vllm_ddtree.attention.common", "TreeMetadataBuilderMixin", "build"),
+    # The V2 runner (vLLM 0.33) and DDTree's hooks in it.
+    *(("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", name) for name in (
+        "execute_model", "update_requests", "add_requests", "prepare_inputs",
+        "prepare_attn", "sample", "postprocess_sampled", "sample_tokens",
+        "postprocess_num_computed_tokens")),
+    ("vllm.v1.worker.gpu.sample.sampler", "Sampler", "__call__"),
+    ("vllm.v1.worker.gpu.sample.sampler", "Sampler", "sample"),
+    ("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler", "__call__"),
+    *(("vllm.v1.worker.gpu.spec_decode.dflash.speculator", "DFlashSpeculator", name)
+      for name in ("propose", "_generate_draft", "_run_model", "set_attn",
+                   "_precompute_context_kv", "_store_hidden_states",
+                   "prepare_context_anchor")),
+    ("vllm_ddtree.speculator_v2", "DDTreeSpeculator", "propose"),
+    ("vllm_ddtree.speculator_v2", "DDTreeSpeculator", "_generate_draft"),
+    ("vllm_ddtree.runner_v2", None, "begin_verify_step"),
+    ("vllm_ddtree.runner_v2", None, "publish_for_build"),
+    ("vllm_ddtree.runner_v2", None, "tree_allowed"),
+    ("vllm_ddtree.runner_v2", None, "step_trees_triton"),
+    ("vllm_ddtree.runner_v2", None, "step_attention_info"),
+    ("vllm_ddtree.runner_v2", None, "walk_tree"),
+    ("vllm_ddtree.runner_v2", None, "compact_accepted"),
+    ("vllm_ddtree.runner_v2", "DDTreeV2Sampler", "__call__"),
+    ("vllm_ddtree.runner_v2", "DDTreeV2Sampler", "_walk"),
 )
 
 
@@ -284,7 +354,10 @@ def run_isolated(config: tuple[str, int | None, int], args: argparse.Namespace) 
     method, budget, batch = config
     label = f"{method}{budget or ''}:{batch}"
     cmd = [sys.executable, __file__, "--one", label, "--prompt-len", str(args.prompt_len),
-           "--steps", str(args.steps), "--top", str(args.top), "--model-dir", str(args.model_dir)]
+           "--steps", str(args.steps), "--top", str(args.top), "--model-dir", str(args.model_dir),
+           "--runner", args.runner]
+    if args.target is not None:
+        cmd += ["--target", str(args.target), "--drafter", str(args.drafter)]
     print(f"[profile] {label}: starting", flush=True)
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     marker = "PROFILE_JSON "
@@ -298,12 +371,15 @@ def run_isolated(config: tuple[str, int | None, int], args: argparse.Namespace) 
 
 
 def report(result: dict) -> str:
-    name = f"{result['method']}{result['budget'] or ''} batch {result['batch']}"
+    name = (f"{result['method']}{result['budget'] or ''} batch {result['batch']}"
+            f"{' on ' + result['runner'].upper() if result.get('runner') else ''}")
     if "error" in result:
         return f"== {name}: {result['error']}"
     lines = [(f"== {name}: {result['wall_ms_per_step']:.2f} ms/step wall, "
              f"{result['kernel_ms_per_step']:.2f} ms kernels "
-             f"(GPU busy {100 * result['gpu_busy_share']:.0f}%), {result['steps']:.0f} steps")]
+             f"(GPU busy {100 * result['gpu_busy_share']:.0f}%), {result['steps']:.0f} steps"
+             + (f", {result['tokens_per_step']:.2f} tokens/step"
+                if "tokens_per_step" in result else ""))]
     if "unprofiled_ms_per_step" in result:
         lines.append(f"   without profilers: {result['unprofiled_ms_per_step']:.2f} ms/step")
     for key, p in sorted(result["phases"].items()):
@@ -337,6 +413,9 @@ def main(argv: list[str] | None = None) -> None:
         print(report(results[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"prompt_len": args.prompt_len, "steps": args.steps,
+                                    "runner": args.runner,
+                                    "target": None if args.target is None else str(args.target),
+                                    "drafter": None if args.drafter is None else str(args.drafter),
                                     "results": results}, indent=1) + "\n")
     print(f"[profile] wrote {args.out}")
 

@@ -6,7 +6,8 @@
 # (GPU_TESTS names the test files, default the V1 and V2 e2e tests and the V2 interface; E2E_STEM the e2e
 # results' file name.)
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
-# the step-cost benchmark (BENCH_ARGS) or its profile (PROFILE_ARGS), and keeps logs and results under $OUT (or
+# the step-cost benchmark (BENCH_ARGS) or its profile (PROFILE_ARGS; PROFILE_PAIR=real for
+# the real pair), and keeps logs and results under $OUT (or
 # ./gpu-out). `e2e` runs benchmarks/bench_e2e.py (E2E_ARGS) on the real pair: the
 # SmolLM2 target converted from its GGUF, whose first chunk an earlier warm call
 # stashed with `KIT_DEST=/root/gguf bash training/device_run.sh stash` and whose
@@ -38,8 +39,27 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v "^INFO\|^(EngineCore" | tail -40
   brc=${PIPESTATUS[0]}; echo "bench exit code: $brc"; [ "$rc" = 0 ] && rc=$brc
 fi
+# The SmolLM2 target, converted from its GGUF (first chunk stashed by an earlier warm
+# call, second chunk, checksum and gguf wheel carried by this one); prints its directory.
+real_target() {
+  local gdir=/root/gguf gguf=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+  mkdir -p "$gdir"
+  [ -f "$gguf" ] || { cp .dflash_kit/part_* "$gdir"/ && cat "$gdir"/part_a? > "$gguf"; }
+  (cd "$gdir" && sha256sum -c "$OLDPWD/.dflash_kit/SHA256SUMS") >&2 || return 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
+    .dflash_kit/gguf-*.whl >&2 || return 1
+  python3 -c "from vllm_ddtree.real_models import make_smollm2 as m; \
+print(m('/root/smollm2', '$gguf'))" | tail -n 1
+}
+drafter=models/dflash-smollm2-135m-b8
 if [ "$what" = profile ]; then
-  timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_gpu_step.py \
+  # PROFILE_PAIR=real: the real pair (as `e2e` below) instead of the Qwen3-8B shape.
+  pair=""
+  if [ "${PROFILE_PAIR:-}" = real ]; then
+    target=$(real_target) || exit 3
+    pair="--target $target --drafter $drafter"
+  fi
+  timeout "${PROFILE_TIMEOUT:-540}" python3 benchmarks/profile_gpu_step.py $pair \
     --out "$out/gpu_profile.json" ${PROFILE_ARGS:-} 2>&1 | tee "$out/profile.log" \
     | grep -v "^INFO\|^(EngineCore\|^WARNING\|^DEBUG" | tail -150
   rc=${PIPESTATUS[0]}; echo "profile exit code: $rc"
@@ -49,14 +69,8 @@ if [ "$what" = e2e ]; then
     # Tiny random pair built on the device: no GGUF needed.
     pair="--pair tiny"; stem=e2e_h200_tiny
   else
-    gdir=/root/gguf; gguf=$gdir/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p "$gdir"
-    [ -f "$gguf" ] || { cp .dflash_kit/part_* "$gdir"/ && cat "$gdir"/part_a? > "$gguf"; }
-    (cd "$gdir" && sha256sum -c "$OLDPWD/.dflash_kit/SHA256SUMS") || exit 3
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
-      .dflash_kit/gguf-*.whl || exit 1
-    target=$(python3 -c "from vllm_ddtree.real_models import make_smollm2 as m; \
-print(m('/root/smollm2', '$gguf'))" | tail -n 1) || exit 1
-    pair="--target $target --drafter models/dflash-smollm2-135m-b8"; stem=e2e_h200
+    target=$(real_target) || exit 3
+    pair="--target $target --drafter $drafter"; stem=e2e_h200
   fi
   stem=${E2E_STEM:-$stem}
   timeout "${E2E_TIMEOUT:-540}" python3 benchmarks/bench_e2e.py $pair --graphs \

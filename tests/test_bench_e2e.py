@@ -85,17 +85,21 @@ class FakeLLM:
     """Stands in for vllm.LLM: records its arguments, emits max_tokens tokens."""
 
     made: ClassVar[list[dict]] = []
+    engines: ClassVar[list[FakeLLM]] = []
 
     def __init__(self, **kwargs):
         import os
 
         FakeLLM.made.append({**kwargs, "env_v2": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")})
+        FakeLLM.engines.append(self)
+        self.calls: list[list[str]] = []  # the prompts of each generate call
         self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
 
     def get_tokenizer(self):
         return SimpleNamespace(apply_chat_template=lambda messages, **_: messages[0]["content"])
 
     def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append(list(prompts))
         out = SimpleNamespace(token_ids=list(range(params.max_tokens)))
         return [SimpleNamespace(outputs=[out]) for _ in prompts]
 
@@ -108,7 +112,7 @@ def fake_engines(tmp_path, monkeypatch) -> Path:
     of block size 8 for bench.main."""
     import vllm
 
-    FakeLLM.made = []
+    FakeLLM.made, FakeLLM.engines = [], []
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     drafter = tmp_path / "drafter"
     drafter.mkdir()
@@ -146,19 +150,19 @@ def test_baseline_runners_add_v1_rows_without_async_scheduling(tmp_path, monkeyp
 
 
 def test_scheduling_options_set_each_engines_runner_and_scheduling(tmp_path, monkeypatch):
-    """--baseline-runners v1-async and --ddtree-scheduling sync,async: one engine per
-    setting, each started with its own runner and scheduling, named by suffix."""
+    """--baseline-runners v1-async and --ddtree-scheduling v2,default,sync,async,v1: one
+    engine per setting, each started with its own runner and scheduling, named by suffix."""
     drafter = fake_engines(tmp_path, monkeypatch)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     out = tmp_path / "sched"
     bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods",
                 "chain,ddtree", "--baseline-runners", "default,v1-async", "--budgets", "16",
-                "--caps", "4", "--ddtree-scheduling", "v2,default,sync,async",
+                "--caps", "4", "--ddtree-scheduling", "v2,default,sync,async,v1",
                 "--max-tokens", "4", "--out", str(out)])
     saved = json.loads(out.with_suffix(".json").read_text())
     names = list(saved["results"])
     assert names == ["chain", "chain-v1-async", "ddtree-b16-k4-v2", "ddtree-b16-k4",
-                     "ddtree-b16-k4-sync", "ddtree-b16-k4-async"]
+                     "ddtree-b16-k4-sync", "ddtree-b16-k4-async", "ddtree-b16-k4-v1"]
     made = dict(zip(names, FakeLLM.made, strict=True))
     assert made["chain"]["env_v2"] is None and "async_scheduling" not in made["chain"]
     assert made["chain-v1-async"]["env_v2"] == "0"
@@ -170,8 +174,32 @@ def test_scheduling_options_set_each_engines_runner_and_scheduling(tmp_path, mon
     assert made["ddtree-b16-k4"]["env_v2"] is None
     assert made["ddtree-b16-k4-sync"]["async_scheduling"] is False
     assert made["ddtree-b16-k4-async"]["async_scheduling"] is True
+    assert made["ddtree-b16-k4-v1"]["env_v2"] == "0"
+    assert made["ddtree-b16-k4-v1"]["async_scheduling"] is False
     assert all(m["speculative_config"]["ddtree_budget"] == 16
                for n, m in made.items() if n.startswith("ddtree"))
+
+
+def test_batch_1_runs_every_prompt_alone(tmp_path, monkeypatch):
+    """Batch 1's timed calls give each of the four prompts alone, so its tau and
+    tok/s are not one prompt's; batch 8 gives them all at once (twice each)."""
+    drafter = fake_engines(tmp_path, monkeypatch)
+    out = tmp_path / "b1"
+    bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods", "plain",
+                "--max-tokens", "4", "--repeats", "2", "--out", str(out)])
+    (engine,) = FakeLLM.engines
+    prompts = list(bench.PROMPTS.values())
+    alone = [[p] for p in prompts]
+    # Per temperature: batch 1's warm-up, two timed rounds of the four prompts alone,
+    # then batch 8's warm-up and two timed calls.
+    per_temperature = alone[:1] + alone + alone + [prompts * 2] * 3
+    assert engine.calls == per_temperature * 2
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]["plain"]
+    assert [(r["batch"], r["tokens"]) for r in rows] == [(1, 16), (8, 32)] * 2
+    # --quick (CI): batch 1 is the first prompt alone.
+    bench.main(["--quick", "--target", str(tmp_path), "--drafter", str(drafter), "--methods",
+                "plain", "--max-tokens", "4", "--out", str(out)])
+    assert FakeLLM.engines[1].calls[:3] == [alone[0]] * 2 + [prompts * 2]
 
 
 def test_out_ending_in_json_names_the_file_not_a_stem(tmp_path, monkeypatch):

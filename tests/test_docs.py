@@ -98,7 +98,8 @@ def block_after_file(text: str, name: str) -> tuple[list[str], list[list[str]]]:
 
 
 @pytest.mark.parametrize("name", ["e2e_h200_runners.json", "e2e_h200_rerun.json",
-                                  "e2e_h200_async.json", "e2e_h200_runners2.json"])
+                                  "e2e_h200_async.json", "e2e_h200_runners2.json",
+                                  "e2e_h200_v2.json"])
 def test_bench_readme_runner_tables_are_the_results_files(name):
     """benchmarks/README.md's H200 runs: tau, tok/s and the ratios to the rows named in
     the heading's "x <row>" columns (same temperature and batch) are the file's."""
@@ -201,6 +202,61 @@ def test_async_step_cost_tables_are_the_results_file(doc, heading):
         method = "ddtree" if method[0].startswith("ddtree") else method[0]
         assert [float(b1), float(b32)] == [round(costs[(runner, method, b)], 3)
                                            for b in (1, 32)], (runner, method)
+
+
+@pytest.mark.parametrize("doc,heading", [
+    (README, "runner  method         batch 1   batch 32   ms per step (9d08fc0)"),
+    (BENCH_README, "runner  method        batch 1   batch 32   ms per step (9d08fc0)"),
+])
+def test_v2_step_cost_tables_are_the_results_file(doc, heading):
+    """Both READMEs' step costs with every engine on the V2 runner (9d08fc0)."""
+    runs = json.loads((RESULTS / "gpu_step_20261202_9d08fc0_v2.json").read_text())["runs"]
+    costs = {(r["runner"], r["method"], row["batch"]): row["ms_per_step"]
+             for r in runs for row in r["rows"]}
+    rows = block_after(doc, heading)
+    assert len(rows) == len(runs) == 3
+    for runner, *method, b1, b32 in rows:
+        method = "ddtree" if method[0].startswith("ddtree") else method[0]
+        assert [float(b1), float(b32)] == [round(costs[(runner, method, b)], 3)
+                                           for b in (1, 32)], (runner, method)
+
+
+def row_at(rows: list[dict], t: float, batch: int) -> dict:
+    return next(x for x in rows if x["temperature"] == t and x["batch"] == batch)
+
+
+def test_bench_readme_v1_v2_ddtree_table_is_the_results_files():
+    """benchmarks/README.md's runs B and C: DDTree on V1 (-sync) and V2 (-v2), each row's
+    tau and tok/s as measured and its ratio to the V1 row of the same T and batch."""
+    res = {**results_rows("e2e_h200_v1v2.json"), **results_rows("e2e_h200_v1v2_b64.json")}
+    rows = block_after(BENCH_README, "method               T batch    tau    tok/s   x V1")
+    assert len(rows) == 4 * len(res) == 16
+    for method, t, batch, tau, tok_s, x_v1 in rows:
+        r = row_at(res[method], float(t), int(batch))
+        v1 = row_at(res[method.rsplit("-", 1)[0] + "-sync"], float(t), int(batch))
+        assert float(tau) == round(r["tau"], 2), method
+        assert float(tok_s) == round(r["tok_per_s"], 1), method
+        assert float(x_v1) == round(r["tok_per_s"] / v1["tok_per_s"], 2), method
+
+
+def test_readme_v2_run_table_is_the_results_files():
+    """README's batch-1 summary of runs A-C: tau, tok/s, ms per step and the ratios to
+    run A's V2 chain and to the same run's DDTree on V1 are the files'."""
+    files = {"A": "e2e_h200_v2.json", "B": "e2e_h200_v1v2.json", "C": "e2e_h200_v1v2_b64.json"}
+    res = {run: results_rows(name) for run, name in files.items()}
+    rows = block_after(README, "run  method          engine      T    tau   tok/s   ms per step")
+    assert len(rows) == 10
+    for run, method, runner, _, t, tau, tok_s, ms, x_chain, x_v1 in rows:
+        name = "chain" if method == "chain" else f"{method}-{'v2' if runner == 'V2,' else 'sync'}"
+        r = row_at(res[run][name], float(t), 1)
+        assert float(tau) == round(r["tau"], 2), (run, name)
+        assert int(tok_s) == round(r["tok_per_s"]), (run, name)
+        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), (run, name)
+        chain = row_at(res["A"]["chain"], float(t), 1)
+        assert x_chain == ("-" if run != "A" else f"{r['tok_per_s'] / chain['tok_per_s']:.2f}")
+        v1 = res[run].get(f"{method}-sync")
+        assert x_v1 == ("-" if v1 is None else
+                        f"{r['tok_per_s'] / row_at(v1, float(t), 1)['tok_per_s']:.2f}")
 
 
 def test_readme_tree_attention_table_is_the_results_file():

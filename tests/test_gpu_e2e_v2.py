@@ -1,8 +1,9 @@
 """DDTree on vLLM's V2 model runner (vLLM 0.33 on CUDA; vllm_ddtree/runner_v2.py).
 
 Runs on a GPU with vLLM 0.33 (skipped elsewhere). Every DDTree engine here runs
-on the V2 runner (``VLLM_USE_V2_MODEL_RUNNER=1``) with ``VLLM_DDTREE_CHECK_SYNC=1``,
-so a host-device synchronisation in the plugin's part of a step raises.
+on the V2 runner, which DDTree selects itself there (``VLLM_USE_V2_MODEL_RUNNER``
+unset), with ``VLLM_DDTREE_CHECK_SYNC=1``, so a host-device synchronisation in the
+plugin's part of a step raises.
 
 - float32 (TRITON_ATTN): greedy DDTree equals transformers' float32 greedy
   decoding on the CPU (the oracle of tests/test_gpu_e2e.py, same near-tie rule),
@@ -66,7 +67,9 @@ BUDGETS = [1, 7, 16, 17, 64]
 
 @pytest.fixture
 def v2_runner(monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    """``VLLM_USE_V2_MODEL_RUNNER`` unset: DDTree takes the V2 runner itself there
+    (patches._select_model_runner; the greedy test checks the runner's log line)."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
 
 
 def _ddtree(drafter, budget, topk_cap=None):

@@ -55,3 +55,66 @@ def test_on_a_real_cpu_profile_the_range_holds_its_children():
     children = sum(e.cpu_time_total for e in p.events() if e.name == "aten::mm") / 2
     assert phases["ddtree.x"]["host_ms"] * 1e3 >= children > 0
     assert phases["ddtree.x"]["calls_per_step"] == 1.0
+
+
+def test_target_needs_a_drafter(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        prof.parse_args(["--target", "/tmp/t"])
+    assert "--target and --drafter go together" in capsys.readouterr().err
+    assert prof.parse_args([]).runner == "v2"  # DDTree's runner on vLLM 0.33 with CUDA
+
+
+def test_the_plugins_timed_calls_exist():
+    """PhaseTimer skips what it cannot find (vLLM's names move between releases); the
+    plugin's own entries must all resolve, or the profile silently loses them."""
+    import importlib
+
+    missing = []
+    for module_name, class_name, attr in prof.TIMED:
+        if not module_name.startswith("vllm_ddtree"):
+            continue
+        owner = importlib.import_module(module_name)
+        if class_name is not None:
+            owner = getattr(owner, class_name)
+        if attr not in owner.__dict__:
+            missing.append(f"{module_name}:{class_name}.{attr}")
+    assert not missing
+
+
+def test_real_pair_engines_and_prompts(tmp_path, monkeypatch):
+    """--target/--drafter: each method's speculative config on the real drafter (its
+    block size read from its config), and bench_e2e's chat prompts in turn."""
+    import json
+
+    import vllm
+
+    made = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def get_tokenizer(self):
+            return SimpleNamespace(
+                apply_chat_template=lambda messages, **_: messages[0]["content"])
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"block_size": 8}))
+    args = prof.parse_args(["--target", str(tmp_path), "--drafter", str(drafter)])
+    import bench_e2e
+
+    texts = list(bench_e2e.PROMPTS.values())
+    _, prompts = prof.real_engine("ddtree", 64, 6, args)
+    assert prompts == texts + texts[:2]
+    prof.real_engine("chain", None, 1, args)
+    prof.real_engine("plain", None, 1, args)
+    tree, chain, plain = (m["speculative_config"] for m in made)
+    assert tree == {"method": "ddtree", "model": str(drafter), "ddtree_budget": 64,
+                    "ddtree_topk_cap": prof.REAL_TOPK_CAP}
+    assert chain == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7}
+    assert plain is None
+    assert {m["model"] for m in made} == {str(tmp_path)} and made[0]["dtype"] == "bfloat16"

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.e2e_utils import keep_async_scheduling
-from vllm_ddtree.config import MAX_BUDGET, get_ddtree_config
+from vllm_ddtree.config import DEFAULT_BUDGET, MAX_BUDGET, get_ddtree_config
 
 BLOCK = 8
 MAX_MODEL_LEN = 256
@@ -167,6 +167,61 @@ def test_v1_model_runner_selected(tiny_llama, drafter, monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     engine_config(tiny_llama, ddtree(drafter))
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def speculative_config_with_v2(tiny_llama, drafter, monkeypatch, env: str | None):
+    """create_speculative_config on a platform with DDTree's V2 path (vLLM 0.33 with
+    CUDA, stood in for here): (the runner the engine's processes are told, the
+    engine args' async scheduling after it)."""
+    import os
+
+    from vllm.config import ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ddtree import patches
+
+    monkeypatch.setattr(patches, "_v2_runner_supported", lambda: True)
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    args = EngineArgs(model=str(tiny_llama), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                      speculative_config=ddtree(drafter))
+    spec = args.create_speculative_config(args.create_model_config(), ParallelConfig())
+    assert spec.ddtree.budget == DEFAULT_BUDGET  # the DDTree config was made
+    return os.environ["VLLM_USE_V2_MODEL_RUNNER"], args.async_scheduling
+
+
+@pytest.mark.parametrize("env,runner,async_scheduling", [
+    (None, "1", None),  # unset: vLLM's GPU default, V2, with vLLM's scheduling
+    ("1", "1", None),
+    ("0", "0", False),  # V1 asked for: synchronous unless asked otherwise
+], ids=["unset", "v2", "v1"])
+def test_v2_model_runner_is_the_default_where_ddtree_has_it(
+    tiny_llama, drafter, monkeypatch, env, runner, async_scheduling
+):
+    assert speculative_config_with_v2(tiny_llama, drafter, monkeypatch, env) == (
+        runner, async_scheduling)
+
+
+@pytest.mark.parametrize("mrope,pipeline,runner", [
+    (False, 1, "v2"), (True, 1, "v1"), (False, 2, "v1"),
+], ids=["plain", "mrope", "pipeline"])
+def test_targets_the_v2_path_lacks_run_on_v1(monkeypatch, mrope, pipeline, runner):
+    """Unset, the choice falls to V1 for what DDTree's V2 path cannot run (M-RoPE,
+    pipeline parallelism), where runner_v2.install would refuse the engine."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree import patches
+
+    monkeypatch.setattr(patches, "_v2_runner_supported", lambda: True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    model = SimpleNamespace(uses_mrope=mrope)
+    parallel = SimpleNamespace(pipeline_parallel_size=pipeline)
+    assert patches._select_model_runner(model, parallel) == runner
+    import os
+
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == ("1" if runner == "v2" else "0")
 
 
 def test_ddtree_keys_need_method_ddtree(tiny_llama, drafter):

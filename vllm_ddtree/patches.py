@@ -35,8 +35,9 @@ def apply_all() -> None:
     #       once the KV cache is bound, tree inputs, tree attention metadata,
     #       compaction after the walk, tree ownership after drafting.
     _patch_model_runner()
-    # 12. The V2 model runner (vLLM 0.33 on GPU, with VLLM_USE_V2_MODEL_RUNNER=1):
-    #     patched in the worker that builds one (_patch_v2_model_runner).
+    # 12. The V2 model runner (DDTree's default on vLLM 0.33 with CUDA; see
+    #     _select_model_runner): patched in the worker that builds one
+    #     (_patch_v2_model_runner).
     _patch_worker_for_v2()
 
 
@@ -79,17 +80,7 @@ def _patch_create_speculative_config() -> None:
                     f"method={spec.get('method')!r}."
                 )
             return orig(self, target_model_config, target_parallel_config)
-        # DDTree runs on vLLM's V1 model runner (the CPU backend always does) unless
-        # VLLM_USE_V2_MODEL_RUNNER=1 asks for V2 (vLLM 0.33 on GPU; runner_v2.py).
-        if _wants_v2_runner():
-            if not _v2_runner_supported():
-                raise ValueError(
-                    "DDTree on vLLM's V2 model runner needs vLLM 0.33 on a CUDA GPU; "
-                    f"VLLM_USE_V2_MODEL_RUNNER={os.environ['VLLM_USE_V2_MODEL_RUNNER']!r} "
-                    "asks for it. Unset it or set it to 0 for the V1 runner."
-                )
-        else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        if _select_model_runner(target_model_config, target_parallel_config) == "v1":
             # Async scheduling only when asked for (--async-scheduling) on V1: it runs
             # through vLLM's V1 bookkeeping (drafts kept on the device, counts corrected
             # a step late), which the compacted tree step meets as a chain step; in the
@@ -109,8 +100,41 @@ def _patch_create_speculative_config() -> None:
     EngineArgs.create_speculative_config = create_speculative_config
 
 
-def _wants_v2_runner() -> bool:
-    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").strip().lower() in ("1", "true")
+def _select_model_runner(model_config, parallel_config) -> str:
+    """The model runner a DDTree engine runs on, "v1" or "v2", written to
+    ``VLLM_USE_V2_MODEL_RUNNER`` for the engine's processes.
+
+    An explicit ``VLLM_USE_V2_MODEL_RUNNER`` is followed (1 on a platform without
+    the V2 path is an error). Unset, DDTree takes vLLM's own GPU default, the V2
+    runner, on vLLM 0.33 with CUDA (runner_v2.py), unless the engine needs what
+    DDTree's V2 path lacks (M-RoPE, pipeline parallelism); the V1 runner elsewhere
+    (the CPU backend always)."""
+    asked = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
+    if asked in ("1", "true"):
+        if not _v2_runner_supported():
+            raise ValueError(
+                "DDTree on vLLM's V2 model runner needs vLLM 0.33 on a CUDA GPU; "
+                f"VLLM_USE_V2_MODEL_RUNNER={os.environ['VLLM_USE_V2_MODEL_RUNNER']!r} "
+                "asks for it. Unset it or set it to 0 for the V1 runner."
+            )
+        runner = "v2"
+    elif asked in ("0", "false") or not _v2_runner_supported():
+        runner = "v1"
+    else:
+        # What runner_v2.install refuses and DDTree ran on V1 with before V2 existed.
+        lacking = [name for name, on in (
+            ("M-RoPE target models", model_config.uses_mrope),
+            ("pipeline parallelism", parallel_config.pipeline_parallel_size > 1),
+        ) if on]
+        runner = "v1" if lacking else "v2"
+        if lacking:
+            logger.info("DDTree runs on vLLM's V1 model runner: its V2 path does not "
+                        "support %s yet.", " or ".join(lacking))
+        else:
+            logger.info("DDTree runs on vLLM's V2 model runner; VLLM_USE_V2_MODEL_RUNNER=0 "
+                        "selects V1.")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    return runner
 
 
 def _v2_runner_supported() -> bool:
