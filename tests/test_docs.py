@@ -186,35 +186,23 @@ def test_readme_async_run_table_is_the_results_file():
     assert seen == set(res)
 
 
-@pytest.mark.parametrize("doc,heading", [
-    (README, "runner  method         batch 1   batch 32   ms per step"),
-    (BENCH_README, "runner  method        batch 1   batch 32\n"),  # nothing after "32"
+ASYNC_RUN, V2_RUN = "gpu_step_20261130_74f2c2b_async.json", "gpu_step_20261202_9d08fc0_v2.json"
+
+
+@pytest.mark.parametrize("doc,heading,name", [
+    (README, "runner  method         batch 1   batch 32   ms per step\n", ASYNC_RUN),
+    (BENCH_README, "runner  method        batch 1   batch 32\n", ASYNC_RUN),  # nothing after "32"
+    (README, "runner  method         batch 1   batch 32   ms per step (9d08fc0)", V2_RUN),
+    (BENCH_README, "runner  method        batch 1   batch 32   ms per step (9d08fc0)", V2_RUN),
 ])
-def test_async_step_cost_tables_are_the_results_file(doc, heading):
-    """Both READMEs' step costs with async scheduling on both runners (74f2c2b)."""
-    name = "gpu_step_20261130_74f2c2b_async.json"
+def test_step_cost_tables_are_the_results_file(doc, heading, name):
+    """Both READMEs' step costs with async scheduling on both runners (74f2c2b), and
+    with every engine on the V2 runner (9d08fc0)."""
     runs = json.loads((RESULTS / name).read_text())["runs"]
     costs = {(r["runner"], r["method"], row["batch"]): row["ms_per_step"]
              for r in runs for row in r["rows"]}
     rows = block_after(doc, heading)
-    assert len(rows) == len(runs) == 5
-    for runner, *method, b1, b32 in rows:
-        method = "ddtree" if method[0].startswith("ddtree") else method[0]
-        assert [float(b1), float(b32)] == [round(costs[(runner, method, b)], 3)
-                                           for b in (1, 32)], (runner, method)
-
-
-@pytest.mark.parametrize("doc,heading", [
-    (README, "runner  method         batch 1   batch 32   ms per step (9d08fc0)"),
-    (BENCH_README, "runner  method        batch 1   batch 32   ms per step (9d08fc0)"),
-])
-def test_v2_step_cost_tables_are_the_results_file(doc, heading):
-    """Both READMEs' step costs with every engine on the V2 runner (9d08fc0)."""
-    runs = json.loads((RESULTS / "gpu_step_20261202_9d08fc0_v2.json").read_text())["runs"]
-    costs = {(r["runner"], r["method"], row["batch"]): row["ms_per_step"]
-             for r in runs for row in r["rows"]}
-    rows = block_after(doc, heading)
-    assert len(rows) == len(runs) == 3
+    assert len(rows) == len(runs)
     for runner, *method, b1, b32 in rows:
         method = "ddtree" if method[0].startswith("ddtree") else method[0]
         assert [float(b1), float(b32)] == [round(costs[(runner, method, b)], 3)
