@@ -8,7 +8,8 @@
 #   bash scripts/gpu_ab.sh run             # device, in the call carrying the kit's last
 #                                          # chunk and ab_ref (carry "ab_ref")
 #
-# AB_METHODS (default ddtree), AB_BATCHES (default 1), AB_ROUNDS (default 2): each round
+# AB_METHODS (default ddtree), AB_BATCHES (default 1), AB_ROUNDS (default 2), AB_RUNNER
+# (DDTree's model runner, default v1, the settings of the earlier A/B runs): each round
 # runs REF then the working tree, one engine per method, through bench_gpu_step.py with
 # the step-cost settings of benchmarks/README.md. Results: $OUT/ab_{ref,new}_ROUND.json,
 # and a table of ms/step per engine and the new/ref ratio per round.
@@ -31,7 +32,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_HOST_IP=127.0.0.1 VLLM_CACHE_ROOT=/roo
 dist=/root/site/vllm_ddtree-0.0.dev0.dist-info; mkdir -p "$dist"
 printf 'Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.0.dev0\n' > "$dist/METADATA"
 printf '[vllm.general_plugins]\nddtree = vllm_ddtree:register\n' > "$dist/entry_points.txt"
-args="--runners v1 --budgets 16 --batches ${AB_BATCHES:-1} --methods ${AB_METHODS:-ddtree}
+args="--runners v1 --ddtree-runners ${AB_RUNNER:-v1} --budgets 16 --batches ${AB_BATCHES:-1} --methods ${AB_METHODS:-ddtree}
   --short-len 32 --long-len 160 --repeats 2 --sync-scheduling --no-tree-ops"
 rc=0
 for round in $(seq 1 "${AB_ROUNDS:-2}"); do
