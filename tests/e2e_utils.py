@@ -36,6 +36,28 @@ def make_llm(model: str, speculative_config: dict | None = None, **kw: Any):
     return LLM(model=model, **args)
 
 
+def sampling_cases(max_tokens: int) -> dict:
+    """vLLM's sampling options that meet a tree differently (penalties read the drafts
+    as history, logit bias and min tokens act at every node, min_p filters each draw, a
+    structured-output choice constrains the drafts, logprobs come from the emitting
+    node), each as the SamplingParams of one generate call."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    base = dict(temperature=0.0, max_tokens=max_tokens)
+    return {
+        "penalties": SamplingParams(**base, repetition_penalty=1.3, presence_penalty=0.4,
+                                    frequency_penalty=0.3, ignore_eos=True),
+        "logit_bias": SamplingParams(**base, logit_bias={7: 5.0, 100: 3.0}, ignore_eos=True),
+        "min_p_sampled": SamplingParams(temperature=1.0, min_p=0.3, max_tokens=max_tokens,
+                                        seed=7, ignore_eos=True),
+        "min_tokens": SamplingParams(**base, min_tokens=max_tokens - 2),
+        "choice": SamplingParams(**base, structured_outputs=StructuredOutputsParams(
+            choice=["def foo", "def bar", "Beautiful"])),
+        "logprobs": SamplingParams(**base, logprobs=3, ignore_eos=True),
+    }
+
+
 def assert_scheduling_logged(capfd, async_scheduling: bool) -> str:
     """The DDTree engine ran with the scheduling asked for (its runner's start-up line,
     read from the engine process through the file descriptors). Returns the log."""

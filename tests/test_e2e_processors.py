@@ -19,6 +19,7 @@ from tests.e2e_utils import (
     keep_async_scheduling,
     make_llm,
     prompt_ids,
+    sampling_cases,
     shutdown,
     spec_metrics,
 )
@@ -28,27 +29,9 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 20
 
 
-def _cases():
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    base = dict(temperature=0.0, max_tokens=MAX_TOKENS)
-    return {
-        "penalties": SamplingParams(**base, repetition_penalty=1.3, presence_penalty=0.4,
-                                    frequency_penalty=0.3, ignore_eos=True),
-        "logit_bias": SamplingParams(**base, logit_bias={7: 5.0, 100: 3.0}, ignore_eos=True),
-        "min_p_sampled": SamplingParams(temperature=1.0, min_p=0.3, max_tokens=MAX_TOKENS,
-                                        seed=7, ignore_eos=True),
-        "min_tokens": SamplingParams(**base, min_tokens=MAX_TOKENS - 2),
-        "choice": SamplingParams(**base, structured_outputs=StructuredOutputsParams(
-            choice=["def foo", "def bar", "Beautiful"])),
-        "logprobs": SamplingParams(**base, logprobs=3, ignore_eos=True),
-    }
-
-
 def _run(llm) -> dict:
     results = {}
-    for name, params in _cases().items():
+    for name, params in sampling_cases(MAX_TOKENS).items():
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         results[name] = [
             (list(o.outputs[0].token_ids),

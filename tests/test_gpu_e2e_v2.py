@@ -17,6 +17,8 @@ plugin's part of a step raises.
 - ``ddtree_topk_cap: 1`` with budget = block_size - 1 reproduces V2's native
   DFlash chain: same tokens, same draft and acceptance counters;
 - log-probabilities of the sampled tokens equal plain decoding's (up to TF32 rounding);
+- greedy requests with penalties, logit bias, min tokens and a structured-output
+  choice give plain decoding's tokens;
 - chunked prefill next to tree verification, and bf16 on FLASH_ATTN (match rate,
   divergences only at near ties).
 """
@@ -27,7 +29,7 @@ import pytest
 import torch
 
 from tests import scripted_drafter
-from tests.e2e_utils import PROMPTS, greedy, prompt_ids, shutdown, spec_metrics
+from tests.e2e_utils import PROMPTS, greedy, prompt_ids, sampling_cases, shutdown, spec_metrics
 from tests.gpu_utils import (
     BF16_NEAR_TIE,
     ENGINE_MARKS,
@@ -167,6 +169,45 @@ def test_v2_logprobs_are_plain_decodings(gpu_qwen3, make_drafter, monkeypatch, t
                 worst = max(worst, abs(logprob - ref_step[token]))
     print(f"largest log-probability difference: {worst:.3g}")
     assert worst <= LOGPROB_ATOL
+
+
+def test_v2_sampling_options_are_plain_decodings(gpu_qwen3, make_drafter, monkeypatch,
+                                                tmp_path, v2_runner):
+    """Greedy requests with penalties (verified as chains of their drafts), logit bias
+    and min tokens (at every tree node) and a structured-output choice (the batch goes
+    to vLLM's rejection sampler) give plain decoding's tokens on V2 (float32, IEEE
+    dots in Triton so the two engines' rounding agrees, as in the logprob test)."""
+    import importlib.util
+
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    names = ["penalties", "logit_bias", "min_tokens"]
+    if importlib.util.find_spec("xgrammar") is not None:  # vLLM's structured-output backend
+        names.append("choice")
+    cases = {name: sampling_cases(MAX_TOKENS)[name] for name in names}
+
+    def run(llm) -> dict[str, list[list[int]]]:
+        return {name: [list(o.outputs[0].token_ids)
+                       for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+                for name, params in cases.items()}
+
+    plain = gpu_llm(gpu_qwen3, graphs=False)
+    try:
+        ids = prompt_ids(plain, PROMPTS)
+        references = dict(zip(ids, greedy(plain, PROMPTS, MAX_TOKENS + 10)))
+        want = run(plain)
+    finally:
+        shutdown(plain)
+    scripted_drafter.install(monkeypatch, tmp_path, references)
+    llm = gpu_llm(gpu_qwen3, _ddtree(make_drafter(gpu_qwen3, BLOCK), 12, 3), graphs=False)
+    try:
+        got = run(llm)
+        metrics = spec_metrics(llm)
+    finally:
+        shutdown(llm)
+    print(f"sampling options checked on V2: {names}")
+    for name in names:
+        assert got[name] == want[name], name
+    assert metrics["num_accepted_tokens"] > 0
 
 
 def test_v2_topk_cap_1_is_the_native_dflash_chain(tiny_llama_repetitive, make_drafter,
