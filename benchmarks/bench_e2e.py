@@ -193,16 +193,16 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace,
     prompts = [llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         for text in PROMPTS.values()]
+    # Batch 1 runs each prompt alone, one after another, so its tau and tok/s cover
+    # every kind of prompt (code, math, chat, prose) as batch 8 does (--quick: the
+    # first alone, to stay inside CI's time).
+    calls_at = {1: [[p] for p in prompts[: 1 if args.quick else None]], 8: [(prompts * 2)[:8]]}
     rows = []
     for temperature in (0.0, 1.0):
         for batch in (1, 8):
             params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
                                     ignore_eos=True, seed=0)
-            # Batch 1 runs each prompt alone, one after another, so its tau and tok/s
-            # cover every kind of prompt (code, math, chat, prose) as batch 8 does
-            # (--quick: the first alone, to stay inside CI's time).
-            alone = [[p] for p in prompts[: 1 if args.quick else None]]
-            batches = alone if batch == 1 else [(prompts * 2)[:batch]]
+            batches = calls_at[batch]
             # Warm-up at the timed batch: kernels meet this batch's shapes (and compile
             # any variant they lack) before the clock starts.
             llm.generate(batches[0], params, use_tqdm=False)

@@ -19,8 +19,12 @@ def results_rows(name: str) -> dict[str, list[dict]]:
     return json.loads((RESULTS / name).read_text())["results"]
 
 
+def row_at(rows: list[dict], t: float, batch: int) -> dict:
+    return next(x for x in rows if x["temperature"] == t and x["batch"] == batch)
+
+
 def greedy(rows: list[dict], batch: int) -> dict:
-    return next(r for r in rows if r["temperature"] == 0.0 and r["batch"] == batch)
+    return row_at(rows, 0.0, batch)
 
 
 def block_after(text: str, heading_line: str) -> list[list[str]]:
@@ -111,13 +115,11 @@ def test_bench_readme_runner_tables_are_the_results_files(name):
     assert {r[0] for r in rows} == set(res)
     assert len(rows) == 4 * len(res)
     for method, t, batch, tau, tok_s, *cells in rows:
-        r = next(x for x in res[method]
-                 if x["temperature"] == float(t) and x["batch"] == int(batch))
+        r = row_at(res[method], float(t), int(batch))
         assert float(tau) == round(r["tau"], 2), (method, t, batch)
         assert float(tok_s) == round(r["tok_per_s"], 1), (method, t, batch)
         for cell, base in zip(cells[:len(bases)], bases, strict=True):
-            other = next(x for x in res[ref[base]]
-                         if x["temperature"] == float(t) and x["batch"] == int(batch))
+            other = row_at(res[ref[base]], float(t), int(batch))
             assert float(cell) == round(r["tok_per_s"] / other["tok_per_s"], 2), (method, base)
 
 
@@ -207,10 +209,6 @@ def test_step_cost_tables_are_the_results_file(doc, heading, name):
         method = "ddtree" if method[0].startswith("ddtree") else method[0]
         assert [float(b1), float(b32)] == [round(costs[(runner, method, b)], 3)
                                            for b in (1, 32)], (runner, method)
-
-
-def row_at(rows: list[dict], t: float, batch: int) -> dict:
-    return next(x for x in rows if x["temperature"] == t and x["batch"] == batch)
 
 
 def test_bench_readme_v1_v2_ddtree_table_is_the_results_files():

@@ -183,7 +183,8 @@ def test_v2_sampling_options_are_plain_decodings(gpu_qwen3, make_drafter, monkey
     names = ["penalties", "logit_bias", "min_tokens"]
     if importlib.util.find_spec("xgrammar") is not None:  # vLLM's structured-output backend
         names.append("choice")
-    cases = {name: sampling_cases(MAX_TOKENS)[name] for name in names}
+    every_case = sampling_cases(MAX_TOKENS)
+    cases = {name: every_case[name] for name in names}
 
     def run(llm) -> dict[str, list[list[int]]]:
         return {name: [list(o.outputs[0].token_ids)
