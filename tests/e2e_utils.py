@@ -36,6 +36,20 @@ def make_llm(model: str, speculative_config: dict | None = None, **kw: Any):
     return LLM(model=model, **args)
 
 
+def structured_outputs_usable() -> bool:
+    """Whether vLLM can take a structured-output request here: its request check
+    imports every backend's module (xgrammar, guidance, outlines, lm-format-enforcer),
+    so one missing package refuses them all (the GPU kit carries xgrammar alone)."""
+    import importlib
+
+    for backend in ("xgrammar", "guidance", "outlines", "lm_format_enforcer"):
+        try:
+            importlib.import_module(f"vllm.v1.structured_output.backend_{backend}")
+        except ImportError:
+            return False
+    return True
+
+
 def sampling_cases(max_tokens: int) -> dict:
     """vLLM's sampling options that meet a tree differently (penalties read the drafts
     as history, logit bias and min tokens act at every node, min_p filters each draw, a

@@ -29,7 +29,15 @@ import pytest
 import torch
 
 from tests import scripted_drafter
-from tests.e2e_utils import PROMPTS, greedy, prompt_ids, sampling_cases, shutdown, spec_metrics
+from tests.e2e_utils import (
+    PROMPTS,
+    greedy,
+    prompt_ids,
+    sampling_cases,
+    shutdown,
+    spec_metrics,
+    structured_outputs_usable,
+)
 from tests.gpu_utils import (
     BF16_NEAR_TIE,
     ENGINE_MARKS,
@@ -177,11 +185,9 @@ def test_v2_sampling_options_are_plain_decodings(gpu_qwen3, make_drafter, monkey
     and min tokens (at every tree node) and a structured-output choice (the batch goes
     to vLLM's rejection sampler) give plain decoding's tokens on V2 (float32, IEEE
     dots in Triton so the two engines' rounding agrees, as in the logprob test)."""
-    import importlib.util
-
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     names = ["penalties", "logit_bias", "min_tokens"]
-    if importlib.util.find_spec("xgrammar") is not None:  # vLLM's structured-output backend
+    if structured_outputs_usable():
         names.append("choice")
     every_case = sampling_cases(MAX_TOKENS)
     cases = {name: every_case[name] for name in names}

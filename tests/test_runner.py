@@ -147,7 +147,8 @@ def test_runner_logs_a_failed_warm_up_and_goes_on(monkeypatch):
 
 def test_runner_warms_up_only_ddtree_engines_on_cuda(monkeypatch):
     calls = []
-    monkeypatch.setattr(ddtree_runner, "warm_up_step_kernels", lambda *a: calls.append(a))
+    monkeypatch.setattr(ddtree_runner, "warm_up_step_kernels",
+                        lambda *a, **kw: calls.append(a))
     ddtree_runner.warm_up_kernels(SimpleNamespace(ddtree_state=None,
                                                   device=SimpleNamespace(type="cuda")))
     cpu = SimpleNamespace(ddtree_state=SimpleNamespace(), device=SimpleNamespace(type="cpu"))
@@ -157,7 +158,8 @@ def test_runner_warms_up_only_ddtree_engines_on_cuda(monkeypatch):
 
 def test_runner_warms_up_every_target_layer_shape(monkeypatch):
     steps, attention = [], []
-    monkeypatch.setattr(ddtree_runner, "warm_up_step_kernels", lambda *a: steps.append(a))
+    monkeypatch.setattr(ddtree_runner, "warm_up_step_kernels",
+                        lambda *a, **kw: steps.append((*a, kw)))
     monkeypatch.setattr(ddtree_runner, "warm_up_tree_attention", lambda *a: attention.append(a))
     runner = fake_runner({f"model.layers.{i}.attn": cuda.DDTreeTritonAttentionBackend
                           for i in range(2)}, draft_layers=["model.layers.1.attn"])
@@ -174,6 +176,11 @@ def test_runner_warms_up_every_target_layer_shape(monkeypatch):
     runner.max_num_reqs = 6
     ddtree_runner.warm_up_kernels(runner)
     assert len(steps) == 1 and steps[0][2:4] == (32, torch.bfloat16)
+    assert steps[0][-1] == {"v2_inputs": False}  # V1's state: V1's kernel variants
+    runner.ddtree_state.v2_inputs = True  # as runner_v2.DDTreeV2State says
+    ddtree_runner.warm_up_kernels(runner)
+    assert steps[1][-1] == {"v2_inputs": True}
+    del attention[1:]
     (layers, dtype, width, packed, max_num_reqs), = attention
     assert max_num_reqs == 6  # tile configurations for every batch the engine can run
     assert [(s.num_heads, s.head_size, s.scale, s.flash_prefix) for s in layers] == [

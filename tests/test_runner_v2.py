@@ -65,7 +65,8 @@ class Step:
     """A V2 batch: A (state 5) verifies its tree; B (state 2) uses a repetition penalty,
     so it verifies its drafts as a chain; C (state 7) is a 4-token prefill chunk."""
 
-    def __init__(self, *, a_drafts_match: bool = True, structured: bool = False):
+    def __init__(self, *, a_drafts_match: bool = True, structured: bool = False,
+                 b_penalised: bool = True):
         trees = drafted_trees(2)
         self.trees_buffer = DDTree(*(torch.zeros((MAX_REQS, *t.shape[1:]), dtype=t.dtype)
                                      for t in (trees.tokens, trees.parents, trees.depths,
@@ -84,7 +85,7 @@ class Step:
         self.positions0 = [*range(10, 17), *range(20, 27), *range(0, 4)]
         self.query_start = np.array([0, 7, 14, 18], dtype=np.int32)
         use_penalty = np.zeros(MAX_REQS, dtype=bool)
-        use_penalty[2] = True
+        use_penalty[2] = b_penalised
         self.sampler = SimpleNamespace(
             penalties_state=SimpleNamespace(use_penalty=use_penalty),
             logits_processors=[], needs_logits_processing=np.zeros(MAX_REQS, dtype=bool),
@@ -155,6 +156,23 @@ def test_penalised_and_prefill_requests_verify_chains_in_place():
     assert torch.equal(packed[1], pack_tree_mask(causal[None])[0])
     assert step.batch.positions[7:].tolist() == step.positions0[7:]
     # C, a prefill chunk, sends no drafts: a root-only tree.
+    assert step.state.step.num_scheduled.tolist() == [BUDGET, BUDGET, 0]
+    assert tree.valid[2].tolist() == [True] + [False] * BUDGET
+
+
+def test_without_penalties_every_request_verifies_its_own_tree():
+    """No request needs a chain: the launch itself maps each request's state to its
+    tree row (A is state 5 -> row 0, B state 2 -> row 1) and counts its drafts from
+    the logits rows."""
+    step = Step(b_penalised=False)
+    step.begin()
+    tree = step.state.step.tree
+    for req in (0, 1):
+        assert tree.parents[req].tolist() == step.trees.parents[req].tolist()
+        assert tree.tokens[req].tolist() == step.trees.tokens[req].tolist()
+    b_parents = step.trees.parents[1].tolist()
+    assert step.batch.positions[7:14].tolist() == [20 + depth_of(b_parents, i)
+                                                   for i in range(7)]
     assert step.state.step.num_scheduled.tolist() == [BUDGET, BUDGET, 0]
     assert tree.valid[2].tolist() == [True] + [False] * BUDGET
 

@@ -126,6 +126,49 @@ def test_positions_in_the_same_launch_match_tree_positions(budget, depth, cap):
                           positions=got_positions, query_start_loc=query_start.to(DEVICE))
 
 
+@pytest.mark.parametrize("budget,depth,cap", [(1, 1, None), (16, 15, 4), (64, 15, None)])
+def test_rows_of_states_and_drafts_from_logits_rows_in_the_same_launch(budget, depth, cap):
+    """V2's inputs: each request's state index mapped through the state -> tree row
+    table (``state_rows``), and its drafts counted from the logits rows
+    (``cu_num_logits``, written to ``num_scheduled``): the same trees, positions and
+    packed masks as with the row index and the counts given."""
+    rng = random.Random(budget * 7 + depth)
+    num_reqs = 4
+    drafted, index, meta = make_step(num_reqs, budget, depth, cap, rng)
+    n = torch.tensor(meta.num_draft_tokens)
+    width = int(n.max()) + 1
+    states = torch.tensor(rng.sample(range(9), num_reqs))
+    state_rows = torch.full((9,), -1, dtype=torch.int64)
+    state_rows[states] = index
+    query_start = torch.cat([torch.zeros(1, dtype=torch.int64), (n + 1).cumsum(0)]).to(torch.int32)
+    positions = torch.randint(0, 5000, (int(query_start[-1]),))
+    runs = []
+    for v2_inputs in (False, True):
+        got_positions, row_start = positions.to(DEVICE), torch.zeros(num_reqs, dtype=torch.int64,
+                                                                     device=DEVICE)
+        packed = torch.zeros(num_reqs, budget + 1, 3, dtype=torch.int32, device=DEVICE)
+        scheduled = torch.full((num_reqs,), -7, device=DEVICE) if v2_inputs else n.to(DEVICE)
+        tree = step_trees_triton(
+            on_device(drafted), (states if v2_inputs else index).to(DEVICE),
+            meta.draft_token_ids.to(DEVICE).to(torch.int32), meta.cu_num_draft_tokens.to(DEVICE),
+            scheduled, width, packed_out=packed, positions=got_positions,
+            query_start_loc=query_start.to(DEVICE), row_start_out=row_start,
+            state_rows=state_rows.to(DEVICE) if v2_inputs else None,
+            cu_num_logits=query_start.to(DEVICE) if v2_inputs else None,
+        )
+        runs.append((tree, got_positions, row_start, packed, scheduled))
+    (want, *want_rest), (got, *got_rest) = runs
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    for a, b in zip(got_rest, want_rest):
+        assert torch.equal(a, b)
+    assert got_rest[-1].tolist() == n.tolist()
+    with pytest.raises(ValueError, match="state_rows"):
+        step_trees_triton(on_device(drafted), None, meta.draft_token_ids.to(DEVICE),
+                          meta.cu_num_draft_tokens.to(DEVICE), n.to(DEVICE), width,
+                          state_rows=state_rows.to(DEVICE))
+
+
 def test_checks():
     drafted, index, meta = make_step(2, 4, 3, None, random.Random(0))
     n = torch.tensor(meta.num_draft_tokens)

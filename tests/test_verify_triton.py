@@ -21,8 +21,8 @@ from tests.test_tree import KINDS, make_logprobs
 from tests.triton_utils import DEVICE, needs_cuda, needs_kernel, poisoned_empty
 from vllm_ddtree import verify_triton
 from vllm_ddtree.tree import DDTree, build_ddtree
-from vllm_ddtree.verify import WalkResult, walk_tree
-from vllm_ddtree.verify_triton import walk_tree_triton
+from vllm_ddtree.verify import WalkResult, walk_rows, walk_tree
+from vllm_ddtree.verify_triton import walk_rows_triton, walk_tree_triton
 
 FIELDS = ("accepted_nodes", "num_accepted", "bonus_tokens", "output_tokens")
 CASES = [  # (num_reqs, tree depth, walk max_depth, vocab, budget, topk_cap)
@@ -153,6 +153,48 @@ def test_narrowed_trees_as_the_sampler_passes_them(width: int, monkeypatch):
     stored[:, :width] = narrowed.valid
     narrowed.valid = stored[:, :width]  # a row-strided slice too, differing per row
     assert_same_walk(walk_poisoned(narrowed, target, 15, monkeypatch), want)
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("budget,depth", [(1, 1), (7, 3), (16, 7), (64, 15)])
+def test_walk_over_logits_rows_matches_its_twin(budget: int, depth: int, monkeypatch):
+    """walk_rows_triton reads each node's target token from the step's flat logits rows
+    (a request's rows end at its cumulative count; absent nodes repeat its last row),
+    as the V2 sampler hands them over: requests send all, some or none of their nodes,
+    and rows before a request's tree rows belong to no node. The twin is step_rows'
+    index, then walk_tree; the tokens committed per request are k + 1."""
+    gen = torch.Generator().manual_seed(budget * 10 + depth)
+    num_reqs, vocab, width = 5, 4, budget + 1
+    lp = make_logprobs("random", num_reqs, depth, vocab, gen).to(DEVICE)
+    tree = build_ddtree(lp, torch.randint(0, vocab, (num_reqs,), generator=gen).to(DEVICE),
+                        budget)
+    scheduled = torch.tensor([budget, 0, budget // 2, budget, 1], device=DEVICE).clamp(max=budget)
+    narrowed = narrow(tree, width, scheduled)
+    target = make_targets(tree, vocab, 0.9, "mixed", gen)
+    # Each request's rows: 0-2 rows before its nodes, then one per sent node and the root.
+    extra = torch.randint(0, 3, (num_reqs,), generator=gen).to(DEVICE)
+    cu = (scheduled + 1 + extra).cumsum(0)
+    row_tokens = torch.randint(0, vocab, (int(cu[-1]),), generator=gen).to(DEVICE)
+    for r in range(num_reqs):
+        end, n = int(cu[r]), int(scheduled[r])
+        row_tokens[end - n - 1 : end] = target[r, : n + 1]
+    want_sampled = torch.full((num_reqs,), -7, dtype=torch.int32, device=DEVICE)
+    want = walk_rows(narrowed, row_tokens, cu, scheduled, depth, want_sampled, use_triton=False)
+    assert torch.equal(want_sampled.long(), want.num_accepted + 1)
+    assert want.num_accepted.any() and not want.num_accepted[1]  # root-only: no drafts
+    for tokens in (row_tokens, row_tokens.to(torch.int32)):
+        monkeypatch.setattr(torch, "empty", poisoned_empty(torch.empty))
+        got_sampled = torch.full((num_reqs,), -7, dtype=torch.int32, device=DEVICE)
+        got = walk_rows_triton(narrowed, tokens, cu, scheduled, depth, got_sampled)
+        monkeypatch.undo()
+        assert_same_walk(got, want)
+        assert torch.equal(got_sampled, want_sampled)
+    assert_same_walk(walk_rows_triton(narrowed, row_tokens, cu, scheduled, depth), want)
+    with pytest.raises(ValueError, match="num_sampled_out"):
+        walk_rows_triton(narrowed, row_tokens, cu, scheduled, depth, want_sampled.long())
+    with pytest.raises(ValueError, match="row_tokens"):
+        walk_rows_triton(narrowed, row_tokens[:, None], cu, scheduled, depth)
 
 
 @pytest.mark.gpu

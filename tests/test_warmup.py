@@ -38,10 +38,11 @@ def launches(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("v2_inputs", [False, True])
 @pytest.mark.parametrize("budget,topk_cap,block_size,num_groups",
                          [(16, 4, 8, 1), (7, None, 16, 2), (1, 1, 4, 1)])
 def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, topk_cap,
-                                                             block_size, num_groups):
+                                                             block_size, num_groups, v2_inputs):
     ddtree = DDTreeConfig(budget=budget, topk_cap=topk_cap, block_size=block_size,
                           vocab_size=300)
     gen = torch.Generator().manual_seed(0)
@@ -51,9 +52,16 @@ def test_warm_up_launches_every_step_kernel_and_moves_no_kv(launches, budget, to
     buffer = mask_buffer(4, ddtree.verify_width, torch.device(DEVICE))
 
     warmup.warm_up_step_kernels(ddtree, torch.device(DEVICE), 48, torch.bfloat16, groups,
-                                buffer)
+                                buffer, v2_inputs=v2_inputs)
 
     names = {name for name, _ in launches}
+    # The V2 runner's variants: tree rows of request states, drafts counted from the
+    # logits rows, the walk over flat rows writing the tokens committed.
+    trees = [kw for name, kw in launches if name == "step_trees_kernel"]
+    assert {kw["SCHEDULED_OUT"] for kw in trees} == {v2_inputs}
+    assert {kw["STATE_ROWS"] for kw in trees if kw["HAS_DRAFTED"]} == {v2_inputs}
+    walks = [kw for name, kw in launches if name == "walk_tree_kernel"]
+    assert {(kw["FROM_ROWS"], kw["NUM_SAMPLED"]) for kw in walks} == {(v2_inputs, v2_inputs)}
     assert names == {name for names in KERNELS.values() for name in names}
     step_trees = {(kw["HAS_DRAFTED"], kw["BLOCK"], kw["WORDS"]) for name, kw in launches
                   if name == "step_trees_kernel"}

@@ -340,6 +340,7 @@ def warm_up_kernels(runner: GPUModelRunner) -> None:
         warm_up_step_kernels(
             state.ddtree, runner.device, runner.model_config.get_hidden_size(), runner.dtype,
             [group.kv_caches for group in groups if group.fused], state.mask_buffer,
+            v2_inputs=getattr(state, "v2_inputs", False),
         )
         context = runner.compilation_config.static_forward_context
         warm_up_tree_attention(

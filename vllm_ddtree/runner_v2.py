@@ -28,7 +28,7 @@ own rejection sampler, as chains.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -50,10 +50,10 @@ from vllm_ddtree.attention.state import (
 )
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.runner import KVGroup, compact_accepted, step_attention_info
-from vllm_ddtree.sampler import TreeVerifyStep, step_rows
+from vllm_ddtree.sampler import TreeVerifyStep
 from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.sync import step_phase, to_device
-from vllm_ddtree.verify import walk_tree
+from vllm_ddtree.verify import step_rows, walk_rows
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.input_batch import InputBatch
@@ -81,6 +81,8 @@ class DDTreeV2State:
     # The target's KV-cache layers by group, found at the first compaction.
     kv_groups: list[KVGroup] | None = None
     compaction: str = ""  # how the last compaction ran, logged when it changes
+    # The step kernels take the V2 runner's inputs (the warm-up compiles those variants).
+    v2_inputs: ClassVar[bool] = True
 
 
 def install(runner: GPUModelRunner) -> None:
@@ -173,24 +175,28 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
     width = int(num_draft.max()) + 1
     # Which requests may verify their tree: the rest verify their drafts as a chain.
     state.chain_only = bool(input_batch.has_structured_output_reqs)
-    allowed = np.zeros(num_reqs, dtype=np.int64) if state.chain_only else \
-        tree_allowed(runner.sampler, input_batch.idx_mapping_np[:num_reqs]).astype(np.int64)
-    on_device = to_device(torch.from_numpy(np.stack([num_draft, allowed])), runner.device)
-    num_scheduled = on_device[0]
+    allowed = np.zeros(num_reqs, dtype=bool) if state.chain_only else \
+        tree_allowed(runner.sampler, input_batch.idx_mapping_np[:num_reqs])
     speculator = runner.speculator
-    index = None
-    if allowed.any():
+    trees = index = state_rows = None
+    if allowed.all():  # the launch maps each request's state to its tree row
+        trees, index, state_rows = (speculator.trees, input_batch.idx_mapping[:num_reqs],
+                                    speculator.tree_row_of_state)
+    elif allowed.any():
         rows = speculator.tree_row_of_state[input_batch.idx_mapping[:num_reqs]]
-        index = torch.where(on_device[1] > 0, rows, -1)
+        mask = to_device(torch.from_numpy(allowed), runner.device)
+        trees, index = speculator.trees, torch.where(mask, rows, -1)
+    # Drafts per request come from the logits rows (one per draft, plus the bonus).
+    num_scheduled = torch.empty(num_reqs, dtype=torch.int64, device=runner.device)
     row_start = state.row_start_buffer[:num_reqs]
     # Node i of a request sits at start + depth_i (its KV slot stays start + i); the
     # masks are packed straight into the buffer the tree kernel reads.
     tree = step_trees_triton(
-        speculator.trees if index is not None else None, index,
-        input_batch.input_ids, input_batch.query_start_loc[1 : num_reqs + 1],
+        trees, index, input_batch.input_ids, input_batch.query_start_loc[1 : num_reqs + 1],
         num_scheduled, width, packed_out=state.mask_buffer,
         positions=input_batch.positions, query_start_loc=input_batch.query_start_loc,
-        row_start_out=row_start,
+        row_start_out=row_start, state_rows=state_rows,
+        cu_num_logits=input_batch.cu_num_logits,
     )
     state.step = TreeVerifyStep(tree=tree, num_scheduled=num_scheduled, row_start=row_start,
                                 max_depth=state.ddtree.max_depth)
@@ -250,7 +256,7 @@ class DDTreeV2Sampler:
             return_logprobs=logprobs_dims is not None,
         )
         with step_phase("ddtree.sample_walk", logits.device):
-            rows, sampled, num_sampled, num_rejected = self._walk(row_tokens, input_batch, step)
+            sampled, num_sampled, num_rejected = self._walk(row_tokens, input_batch, step)
         exec_state = state.exec_state
         if exec_state is not None:
             with step_phase("ddtree.compact", logits.device):
@@ -262,6 +268,8 @@ class DDTreeV2Sampler:
         logprobs_tensors = None
         if logprobs_dims is not None:
             source = processed if sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES else logits
+            rows = step_rows(input_batch.cu_num_logits[1 : input_batch.num_reqs + 1],
+                             step.num_scheduled, sampled.shape[1])
             path_rows, path_tokens = _path_rows(rows, step.walk, sampled, input_batch)
             logprobs_tensors = compute_topk_scores(
                 source[path_rows], logprobs_dims[0], path_tokens,
@@ -277,20 +285,19 @@ class DDTreeV2Sampler:
         )
 
     def _walk(self, row_tokens: torch.Tensor, input_batch: InputBatch, step: TreeVerifyStep):
-        """The walk over every request's tree: (logits row of each node, the output in
-        chain format, tokens sampled and drafts rejected per request)."""
+        """The walk over every request's tree: (the output in chain format, tokens
+        sampled and drafts rejected per request)."""
         num_reqs = input_batch.num_reqs
-        width = step.tree.tokens.shape[1]
-        rows = step_rows(input_batch.cu_num_logits[1 : num_reqs + 1], step.num_scheduled, width)
-        walk = walk_tree(step.tree, row_tokens.view(-1)[rows], step.max_depth)
+        num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=row_tokens.device)
+        walk = walk_rows(step.tree, row_tokens.view(-1),
+                         input_batch.cu_num_logits[1 : num_reqs + 1], step.num_scheduled,
+                         step.max_depth, num_sampled)
         step.walk = walk
-        sampled = walk.output_tokens[:, :width].contiguous()
         num_sampled, num_rejected = v2_input_batch.get_num_sampled_and_rejected(
-            (walk.num_accepted + 1).to(torch.int32), input_batch.seq_lens,
-            input_batch.cu_num_logits, input_batch.idx_mapping,
-            self.sampler.req_states.prefill_len.gpu,
+            num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
+            input_batch.idx_mapping, self.sampler.req_states.prefill_len.gpu,
         )
-        return rows, sampled, num_sampled, num_rejected
+        return walk.output_tokens, num_sampled, num_rejected
 
 
 def _path_rows(rows: torch.Tensor, walk, sampled: torch.Tensor, input_batch: InputBatch):

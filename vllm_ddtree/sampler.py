@@ -26,7 +26,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_ddtree.sync import step_phase, to_device
 from vllm_ddtree.tree import DDTree
-from vllm_ddtree.verify import WalkResult, walk_tree
+from vllm_ddtree.verify import WalkResult, step_rows, walk_tree
 
 if TYPE_CHECKING:
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -263,20 +263,6 @@ def _take(tree: DDTree, rows: torch.Tensor, width: int) -> DDTree:
         ancestor_mask=tree.ancestor_mask[rows, :width, :width],
         num_nodes=tree.num_nodes[rows],
     )
-
-
-def step_rows(
-    cu_num_sampled: torch.Tensor,  # [num_reqs] cumulative rows per request
-    num_scheduled: torch.Tensor,  # [num_reqs]
-    width: int,
-) -> torch.Tensor:
-    """Flat logits row of node i of request r, ``[num_reqs, width]``.
-
-    Rows of absent nodes (i > num_scheduled[r]) repeat the request's last row.
-    """
-    first = cu_num_sampled.to(torch.int64) - num_scheduled - 1
-    offsets = torch.arange(width, device=first.device)
-    return first[:, None] + torch.minimum(offsets[None, :], num_scheduled[:, None])
 
 
 def process_logits(

@@ -45,6 +45,9 @@ def step_trees_triton(
     positions: torch.Tensor | None = None,  # [num_rows] the step's positions, moved in place
     query_start_loc: torch.Tensor | None = None,  # [>= num_reqs + 1], with positions
     row_start_out: torch.Tensor | None = None,  # [>= num_reqs] int64, with positions
+    *,
+    state_rows: torch.Tensor | None = None,  # [num_states] int64: tree row of each state
+    cu_num_logits: torch.Tensor | None = None,  # [num_reqs + 1] logits rows per request
 ) -> DDTree:
     """The tree each request verifies this step (Triton twin of sampler.step_trees),
     its ancestor masks also packed into ``packed_out`` when given (as
@@ -52,9 +55,25 @@ def step_trees_triton(
     j // 32). With ``positions``, also what ``compaction.tree_positions`` does with
     the chosen trees' depths: each sent node moves to its root's position plus its
     depth, and ``row_start_out[:num_reqs]`` takes each request's root row (its tree
-    rows end its query rows)."""
+    rows end its query rows).
+
+    Two inputs can also be derived in the launch (vLLM's V2 runner, where each
+    would otherwise cost the host a copy or a few small launches): with
+    ``state_rows``, ``index`` holds each request's state index and its tree row is
+    ``state_rows[index[r]]`` (the torch path's ``index``); with ``cu_num_logits``
+    (one logits row per draft plus the bonus), ``num_scheduled`` is an output, each
+    request's ``rows - 1`` drafts."""
     num_reqs = num_scheduled.shape[0]
     device = num_scheduled.device
+    if cu_num_logits is not None and (
+        cu_num_logits.shape[0] < num_reqs + 1 or num_scheduled.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"cu_num_logits must be [>= num_reqs + 1] = [>= {num_reqs + 1}] and num_scheduled "
+            f"int64, got {tuple(cu_num_logits.shape)} and {num_scheduled.dtype}"
+        )
+    if state_rows is not None and (index is None or state_rows.dtype != torch.int64):
+        raise ValueError("state_rows (int64) needs index: each request's state index")
     _check_inputs(drafted, index, cu_num_draft_tokens, num_scheduled, width)
     words = -(-width // 32)
     if packed_out is not None and (
@@ -100,8 +119,11 @@ def step_trees_triton(
         tokens, parents, depths, valid.view(torch.uint8), mask.view(torch.uint8), num_nodes,
         source.tokens, source.parents, source.depths,
         source.valid.view(torch.uint8), source.ancestor_mask.view(torch.uint8),
-        (index if has_drafted else num_scheduled).contiguous(), drafts, cu_drafts,
-        num_scheduled.contiguous(),
+        (index if has_drafted else num_scheduled).contiguous(),
+        state_rows if state_rows is not None else num_scheduled,  # read with STATE_ROWS
+        drafts, cu_drafts,
+        num_scheduled if cu_num_logits is not None else num_scheduled.contiguous(),
+        cu_num_logits if cu_num_logits is not None else num_scheduled,  # with SCHEDULED_OUT
         width, draft_token_ids.numel(),
         source.tokens.stride(0), source.ancestor_mask.stride(0), source.ancestor_mask.stride(1),
         packed,
@@ -112,6 +134,8 @@ def step_trees_triton(
         row_start_out if has_positions else num_nodes,
         HAS_DRAFTED=has_drafted,
         HAS_POSITIONS=has_positions,
+        STATE_ROWS=has_drafted and state_rows is not None,
+        SCHEDULED_OUT=cu_num_logits is not None,
         BLOCK=triton.next_power_of_2(width),
         WORDS=words if packed_out is not None else 0,
     )
@@ -156,8 +180,9 @@ def _check_inputs(
 # specialization for them, so the batch's parity never compiles a second variant.
 @triton.jit(do_not_specialize=["width", "num_drafts", "row_stride", "mask_stride_r",
                                "mask_stride_i", "packed_stride_r", "packed_stride_i"],
-            do_not_specialize_on_alignment=["index_ptr", "drafts_ptr", "cu_drafts_ptr",
-                                            "num_scheduled_ptr", "positions_ptr",
+            do_not_specialize_on_alignment=["index_ptr", "state_rows_ptr", "drafts_ptr",
+                                            "cu_drafts_ptr", "num_scheduled_ptr",
+                                            "cu_logits_ptr", "positions_ptr",
                                             "query_start_ptr", "row_start_ptr"])
 def step_trees_kernel(
     tokens_ptr,  # [num_reqs, width] int64 (out)
@@ -171,10 +196,12 @@ def step_trees_kernel(
     tree_depths_ptr,  # [num_prev_reqs, budget + 1] int64
     tree_valid_ptr,  # [num_prev_reqs, budget + 1] uint8
     tree_mask_ptr,  # [num_prev_reqs, budget + 1, budget + 1] uint8
-    index_ptr,  # [num_reqs] int64, -1: no tree
+    index_ptr,  # [num_reqs] int64, -1: no tree (STATE_ROWS: each request's state index)
+    state_rows_ptr,  # [num_states] int64, tree row of each state, -1: none (STATE_ROWS)
     drafts_ptr,  # [num_drafts] the scheduled draft tokens
     cu_drafts_ptr,  # [num_reqs] cumulative drafts
-    num_scheduled_ptr,  # [num_reqs] int64
+    num_scheduled_ptr,  # [num_reqs] int64 (out with SCHEDULED_OUT)
+    cu_logits_ptr,  # [num_reqs + 1] cumulative logits rows (SCHEDULED_OUT)
     width,
     num_drafts,
     row_stride,  # the drafted fields' row stride
@@ -188,13 +215,20 @@ def step_trees_kernel(
     row_start_ptr,  # [num_reqs] int64 (out, HAS_POSITIONS): each request's root row
     HAS_DRAFTED: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
+    STATE_ROWS: tl.constexpr,  # index_ptr holds state indices, mapped through state_rows_ptr
+    SCHEDULED_OUT: tl.constexpr,  # drafts per request = logits rows - 1, stored
     BLOCK: tl.constexpr,
     WORDS: tl.constexpr,  # words per packed row; 0: no packed output
 ):
     req = tl.program_id(0)
     node = tl.arange(0, BLOCK)
     in_width = node < width
-    scheduled = tl.load(num_scheduled_ptr + req)
+    if SCHEDULED_OUT:  # one logits row per draft, plus the bonus row
+        rows = tl.load(cu_logits_ptr + req + 1) - tl.load(cu_logits_ptr + req)
+        scheduled = (rows - 1).to(tl.int64)
+        tl.store(num_scheduled_ptr + req, scheduled)
+    else:
+        scheduled = tl.load(num_scheduled_ptr + req)
     present = node <= scheduled
     first = tl.load(cu_drafts_ptr + req).to(tl.int64) - scheduled
     draft = tl.minimum(tl.maximum(first + node - 1, 0), tl.maximum(num_drafts - 1, 0))
@@ -204,6 +238,8 @@ def step_trees_kernel(
 
     if HAS_DRAFTED:
         index = tl.load(index_ptr + req)
+        if STATE_ROWS:
+            index = tl.load(state_rows_ptr + index)
         row = tl.maximum(index, 0)
         picked = tl.load(tree_tokens_ptr + row * row_stride + node, mask=in_width, other=0)
         differs = (picked != chain_tokens) & present & (node > 0) & in_width

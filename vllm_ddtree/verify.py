@@ -73,6 +73,49 @@ def walk_tree(
     )
 
 
+def walk_rows(
+    tree: DDTree,
+    row_tokens: torch.Tensor,  # [num_rows] the target's token at every logits row
+    cu_num_sampled: torch.Tensor,  # [num_reqs] cumulative logits rows per request
+    num_scheduled: torch.Tensor,  # [num_reqs] int64, drafts sent per request
+    max_depth: int,
+    num_sampled_out: torch.Tensor | None = None,  # [num_reqs] int32 (out): tokens committed
+    *,
+    use_triton: bool | None = None,  # None: the Triton kernel on CUDA, else torch
+) -> WalkResult:
+    """walk_tree over a step's flat logits rows (each request's rows end at
+    ``cu_num_sampled``, node i at the i-th of its last ``num_scheduled + 1``), and
+    into ``num_sampled_out`` the tokens each request commits (accepted drafts plus
+    the bonus). On CUDA one launch (verify_triton.walk_rows_triton); this is its
+    torch twin."""
+    if use_triton is None:
+        use_triton = tree.tokens.is_cuda
+    if use_triton:
+        from vllm_ddtree.verify_triton import walk_rows_triton
+
+        return walk_rows_triton(tree, row_tokens, cu_num_sampled, num_scheduled, max_depth,
+                                num_sampled_out)
+    rows = step_rows(cu_num_sampled, num_scheduled, tree.tokens.shape[1])
+    walk = walk_tree(tree, row_tokens[rows], max_depth, use_triton=False)
+    if num_sampled_out is not None:
+        num_sampled_out.copy_(walk.num_accepted + 1)
+    return walk
+
+
+def step_rows(
+    cu_num_sampled: torch.Tensor,  # [num_reqs] cumulative rows per request
+    num_scheduled: torch.Tensor,  # [num_reqs]
+    width: int,
+) -> torch.Tensor:
+    """Flat logits row of node i of request r, ``[num_reqs, width]``.
+
+    Rows of absent nodes (i > num_scheduled[r]) repeat the request's last row.
+    """
+    first = cu_num_sampled.to(torch.int64) - num_scheduled - 1
+    offsets = torch.arange(width, device=first.device)
+    return first[:, None] + torch.minimum(offsets[None, :], num_scheduled[:, None])
+
+
 def check_walk_args(tree: DDTree, target_tokens: torch.Tensor, max_depth: int) -> None:
     """Shapes and depth shared by walk_tree and its Triton twin."""
     num_reqs, n = tree.tokens.shape
@@ -81,6 +124,10 @@ def check_walk_args(tree: DDTree, target_tokens: torch.Tensor, max_depth: int) -
             f"target_tokens must be [num_reqs, budget + 1] = {(num_reqs, n)}, "
             f"got {tuple(target_tokens.shape)}"
         )
+    check_max_depth(max_depth)
+
+
+def check_max_depth(max_depth: int) -> None:
     if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 1:
         raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
 

@@ -25,9 +25,9 @@ import triton.language as tl
 
 from vllm_ddtree.tree import DDTree
 from vllm_ddtree.triton_device import require_triton_device
-from vllm_ddtree.verify import WalkResult, check_walk_args
+from vllm_ddtree.verify import WalkResult, check_max_depth, check_walk_args
 
-__all__ = ["walk_tree_triton"]
+__all__ = ["walk_rows_triton", "walk_tree_triton"]
 
 
 def walk_tree_triton(
@@ -37,6 +37,45 @@ def walk_tree_triton(
 ) -> WalkResult:
     """Follow the target's tokens down the tree in one launch (Triton twin of verify.walk_tree)."""
     _check_inputs(tree, target_tokens, max_depth)
+    return _launch_walk(tree, _unit_columns(target_tokens), max_depth)
+
+
+def walk_rows_triton(
+    tree: DDTree,
+    row_tokens: torch.Tensor,  # [num_rows] int32 or int64, the target's token at every logits row
+    cu_num_sampled: torch.Tensor,  # [num_reqs] cumulative logits rows per request
+    num_scheduled: torch.Tensor,  # [num_reqs] int64, drafts sent per request
+    max_depth: int,
+    num_sampled_out: torch.Tensor | None = None,  # [num_reqs] int32 (out): tokens committed
+) -> WalkResult:
+    """verify.walk_rows in one launch: the walk reads each node's target token from
+    its logits row itself (no ``step_rows`` index, no gather)."""
+    num_reqs = tree.tokens.shape[0]
+    check_max_depth(max_depth)
+    _check_tree(tree)
+    if row_tokens.dim() != 1 or row_tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"row_tokens must be 1-D int32 or int64, got {row_tokens.dtype} "
+                         f"{tuple(row_tokens.shape)}")
+    if cu_num_sampled.shape != (num_reqs,) or num_scheduled.shape != (num_reqs,):
+        raise ValueError(
+            f"cu_num_sampled and num_scheduled must be [num_reqs] = [{num_reqs}], got "
+            f"{tuple(cu_num_sampled.shape)} and {tuple(num_scheduled.shape)}"
+        )
+    if num_sampled_out is not None and (num_sampled_out.shape != (num_reqs,)
+                                        or num_sampled_out.dtype != torch.int32):
+        raise ValueError(f"num_sampled_out must be int32 [{num_reqs}], got "
+                         f"{num_sampled_out.dtype} {tuple(num_sampled_out.shape)}")
+    return _launch_walk(tree, row_tokens, max_depth, rows=(cu_num_sampled, num_scheduled),
+                        num_sampled_out=num_sampled_out)
+
+
+def _launch_walk(
+    tree: DDTree,
+    target: torch.Tensor,  # [num_reqs, n] with unit columns, or [num_rows] with rows
+    max_depth: int,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cu_num_sampled, num_scheduled)
+    num_sampled_out: torch.Tensor | None = None,
+) -> WalkResult:
     num_reqs, n = tree.tokens.shape
     device = tree.tokens.device
     accepted_nodes = torch.empty(num_reqs, max_depth + 1, dtype=torch.int64, device=device)
@@ -47,26 +86,31 @@ def walk_tree_triton(
         # The sampler passes column slices of the stored trees ([:, :width]); row strides
         # read them in place instead of copying (a copy is a launch per tensor).
         tokens, parents = _unit_columns(tree.tokens), _unit_columns(tree.parents)
-        target = _unit_columns(target_tokens)
         valid = _unit_columns(tree.valid).view(torch.uint8)
+        cu_rows, scheduled = rows if rows is not None else (num_accepted, num_accepted)
         block = triton.next_power_of_2(n)
         walk_tree_kernel[(num_reqs,)](
             accepted_nodes,
             num_accepted,
             bonus_tokens,
             output_tokens,
+            num_sampled_out if num_sampled_out is not None else num_accepted,
             tokens,
             parents,
             valid,
             target,
+            cu_rows,
+            scheduled,
             n,
             tokens.stride(0),
             parents.stride(0),
             valid.stride(0),
-            target.stride(0),
+            target.stride(0) if rows is None else 0,
             MAX_DEPTH=max_depth,
             BLOCK=block,
             PATH_BLOCK=triton.next_power_of_2(max_depth + 1),
+            FROM_ROWS=rows is not None,
+            NUM_SAMPLED=num_sampled_out is not None,
             num_warps=1 if block <= 128 else (2 if block <= 256 else 4),
         )
     return WalkResult(
@@ -86,6 +130,10 @@ def _check_inputs(tree: DDTree, target_tokens: torch.Tensor, max_depth: int) -> 
     check_walk_args(tree, target_tokens, max_depth)
     if target_tokens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"target_tokens must be int32 or int64, got {target_tokens.dtype}")
+    _check_tree(tree)
+
+
+def _check_tree(tree: DDTree) -> None:
     for name in ("tokens", "parents"):
         dtype = getattr(tree, name).dtype
         if dtype != torch.int64:
@@ -103,16 +151,20 @@ def _check_inputs(tree: DDTree, target_tokens: torch.Tensor, max_depth: int) -> 
 # ----------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["n", "tokens_stride", "parents_stride", "valid_stride", "target_stride"])
+@triton.jit(do_not_specialize=["n", "tokens_stride", "parents_stride", "valid_stride", "target_stride"],
+            do_not_specialize_on_alignment=["cu_rows_ptr", "scheduled_ptr"])
 def walk_tree_kernel(
     accepted_ptr,  # [num_reqs, MAX_DEPTH + 1] int64
     num_accepted_ptr,  # [num_reqs] int64
     bonus_ptr,  # [num_reqs] int64
     output_ptr,  # [num_reqs, n] int64
+    num_sampled_ptr,  # [num_reqs] int32 (out, NUM_SAMPLED): accepted drafts + the bonus
     tokens_ptr,  # [num_reqs, n] int64, row stride tokens_stride
     parents_ptr,  # [num_reqs, n] int64, row stride parents_stride
     valid_ptr,  # [num_reqs, n] uint8 (bool), row stride valid_stride
-    target_ptr,  # [num_reqs, n] int32 or int64, row stride target_stride
+    target_ptr,  # [num_reqs, n] int32 or int64, row stride target_stride; FROM_ROWS: [num_rows]
+    cu_rows_ptr,  # [num_reqs] cumulative logits rows (FROM_ROWS)
+    scheduled_ptr,  # [num_reqs] int64, drafts sent (FROM_ROWS)
     n,  # budget + 1 nodes per request (the sampler's width varies per step), column 0 the root
     tokens_stride,
     parents_stride,
@@ -121,13 +173,21 @@ def walk_tree_kernel(
     MAX_DEPTH: tl.constexpr,
     BLOCK: tl.constexpr,  # power of 2 >= n: one lane per node
     PATH_BLOCK: tl.constexpr,  # power of 2 >= MAX_DEPTH + 1: one lane per path depth
+    FROM_ROWS: tl.constexpr,  # node i reads row end - scheduled - 1 + min(i, scheduled)
+    NUM_SAMPLED: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, BLOCK)
     row = lane < n
     tokens = tl.load(tokens_ptr + req * tokens_stride + lane, mask=row, other=0)
     parents = tl.load(parents_ptr + req * parents_stride + lane, mask=row, other=-1)
-    target = tl.load(target_ptr + req * target_stride + lane, mask=row, other=0).to(tl.int64)
+    if FROM_ROWS:  # absent nodes (i > scheduled) repeat the request's last row
+        scheduled = tl.load(scheduled_ptr + req)
+        first = tl.load(cu_rows_ptr + req).to(tl.int64) - scheduled - 1
+        at = first + tl.minimum(lane, scheduled)
+    else:
+        at = req * target_stride + lane
+    target = tl.load(target_ptr + at, mask=row, other=0).to(tl.int64)
     # Column 0 (the root) is its own parent; it is never anyone's child.
     valid = tl.load(valid_ptr + req * valid_stride + lane, mask=row & (lane >= 1), other=0)
     candidate = valid != 0
@@ -154,3 +214,5 @@ def walk_tree_kernel(
     tl.store(accepted_ptr + req * (MAX_DEPTH + 1) + depth_lane, path, mask=depth_lane <= MAX_DEPTH)
     tl.store(num_accepted_ptr + req, k.to(tl.int64))
     tl.store(bonus_ptr + req, bonus)
+    if NUM_SAMPLED:
+        tl.store(num_sampled_ptr + req, k + 1)

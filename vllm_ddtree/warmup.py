@@ -49,7 +49,7 @@ from vllm_ddtree.compact_step_triton import compact_step_triton
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.tree import build_ddtree
-from vllm_ddtree.verify_triton import walk_tree_triton
+from vllm_ddtree.verify_triton import walk_rows_triton, walk_tree_triton
 
 __all__ = ["AttentionShape", "step_widths", "warm_up_step_kernels", "warm_up_tree_attention"]
 
@@ -74,11 +74,14 @@ def warm_up_step_kernels(
     hidden_dtype: torch.dtype,
     kv_cache_groups: Sequence[Sequence[torch.Tensor]],  # per group, its layers' caches
     mask_buffer: torch.Tensor,  # [max_num_reqs, budget + 1, words] int32, the runner's
+    v2_inputs: bool = False,  # as vLLM's V2 runner sends them (runner_v2.py)
 ) -> None:
     """Scripted DDTree steps of batch 1 through every step kernel (module docstring):
     the first decode step after a prefill (no drafts yet: width 1, chains only), then
     steps verifying a drafted tree at each width of ``step_widths`` (the full tree
-    last)."""
+    last). With ``v2_inputs`` the trees' and the walk's launches take the V2 runner's
+    inputs (state rows, counts from the logits rows, the walk over flat rows), which
+    compile variants of their own."""
     i64 = {"dtype": torch.int64, "device": device}
     # Draft: the drafter's per-depth log-probabilities, then the tree (top-k, selection).
     # A generator of its own: the warm-up leaves the engine's random state alone.
@@ -104,13 +107,20 @@ def warm_up_step_kernels(
         positions = torch.arange(width, **i64)
         query_start = torch.tensor([0, width], dtype=torch.int32, device=device)
         row_start = torch.empty(1, **i64)
+        v2 = {"state_rows": index if drafted is not None else None,
+              "cu_num_logits": query_start} if v2_inputs else {}  # state 0 -> tree row 0
         step = step_trees_triton(drafted, index if drafted is not None else None, drafts,
                                  cu_drafts, num_scheduled, width, packed_out=mask_buffer,
                                  positions=positions, query_start_loc=query_start,
-                                 row_start_out=row_start)
+                                 row_start_out=row_start, **v2)
 
         # Walk: target tokens that no node carries, so only the root is accepted.
-        walk = walk_tree_triton(step, torch.full((1, width), -1, **i64), ddtree.max_depth)
+        if v2_inputs:
+            walk = walk_rows_triton(step, torch.full((width,), -1, **i64), query_start[1:],
+                                    num_scheduled, ddtree.max_depth,
+                                    torch.empty(1, dtype=torch.int32, device=device))
+        else:
+            walk = walk_tree_triton(step, torch.full((1, width), -1, **i64), ddtree.max_depth)
         accepted = walk.accepted_nodes
         if bool(walk.num_accepted.any()):
             raise RuntimeError(f"the warm-up's walk accepted more than its root: {accepted}")
