@@ -203,9 +203,12 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace,
             params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
                                     ignore_eos=True, seed=0)
             batches = calls_at[batch]
-            # Warm-up at the timed batch: kernels meet this batch's shapes (and compile
-            # any variant they lack) before the clock starts.
-            llm.generate(batches[0], params, use_tqdm=False)
+            # Warm-up: the timed calls once, so kernels meet every prompt's shapes (and
+            # compile any variant they lack) before the clock starts. A warm-up of the
+            # first prompt alone left batch 1's first timed round compiling for the
+            # others (DDTree's repeats at aa28b91 spread x1.75, slowest first).
+            for call in batches:
+                llm.generate(call, params, use_tqdm=False)
             before = spec_counters(llm)
             times = []
             for _ in range(args.repeats):

@@ -190,9 +190,10 @@ def test_batch_1_runs_every_prompt_alone(tmp_path, monkeypatch):
     (engine,) = FakeLLM.engines
     prompts = list(bench.PROMPTS.values())
     alone = [[p] for p in prompts]
-    # Per temperature: batch 1's warm-up, two timed rounds of the four prompts alone,
-    # then batch 8's warm-up and two timed calls.
-    per_temperature = alone[:1] + alone + alone + [prompts * 2] * 3
+    # Per temperature: batch 1's warm-up (every prompt alone, so no timed round meets
+    # a prompt first), two timed rounds of the four, then batch 8's warm-up and two
+    # timed calls.
+    per_temperature = alone + alone + alone + [prompts * 2] * 3
     assert engine.calls == per_temperature * 2
     rows = json.loads(out.with_suffix(".json").read_text())["results"]["plain"]
     assert [(r["batch"], r["tokens"]) for r in rows] == [(1, 16), (8, 32)] * 2

@@ -103,7 +103,7 @@ def block_after_file(text: str, name: str) -> tuple[list[str], list[list[str]]]:
 
 @pytest.mark.parametrize("name", ["e2e_h200_runners.json", "e2e_h200_rerun.json",
                                   "e2e_h200_async.json", "e2e_h200_runners2.json",
-                                  "e2e_h200_v2.json"])
+                                  "e2e_h200_v2.json", "e2e_h200_v2_fused.json"])
 def test_bench_readme_runner_tables_are_the_results_files(name):
     """benchmarks/README.md's H200 runs: tau, tok/s and the ratios to the rows named in
     the heading's "x <row>" columns (same temperature and batch) are the file's."""
@@ -243,6 +243,21 @@ def test_readme_v2_run_table_is_the_results_files():
         v1 = res[run].get(f"{method}-sync")
         assert x_v1 == ("-" if v1 is None else
                         f"{r['tok_per_s'] / row_at(v1, float(t), 1)['tok_per_s']:.2f}")
+
+
+def test_readme_four_prompt_batch_1_table_is_the_results_file():
+    """README's batch-1 rows over the four prompts: tau, tok/s, ms per step and the
+    ratio to the chain of the same temperature are e2e_h200_v2_fused.json's."""
+    res = results_rows("e2e_h200_v2_fused.json")
+    rows = block_after(README, "method          T    tau   tok/s   ms per step   x chain\n")
+    assert len(rows) == 4
+    for method, t, tau, tok_s, ms, x_chain in rows:
+        r = row_at(res[method], float(t), 1)
+        assert float(tau) == round(r["tau"], 2), (method, t)
+        assert int(tok_s) == round(r["tok_per_s"]), (method, t)
+        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), (method, t)
+        chain = row_at(res["chain"], float(t), 1)
+        assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (method, t)
 
 
 def test_readme_tree_attention_table_is_the_results_file():
