@@ -276,7 +276,7 @@ TIMED = (
     ("vllm_ddtree.runner_v2", None, "tree_allowed"),
     ("vllm_ddtree.runner_v2", None, "step_trees_triton"),
     ("vllm_ddtree.runner_v2", None, "step_attention_info"),
-    ("vllm_ddtree.runner_v2", None, "walk_tree"),
+    ("vllm_ddtree.runner_v2", None, "walk_rows"),
     ("vllm_ddtree.runner_v2", None, "compact_accepted"),
     ("vllm_ddtree.runner_v2", "DDTreeV2Sampler", "__call__"),
     ("vllm_ddtree.runner_v2", "DDTreeV2Sampler", "_walk"),

@@ -45,11 +45,16 @@ SELECT_TREE = ("tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_
 STEP_TREES = ("tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_ptr:*u8",
               "mask_ptr:*u8", "num_nodes_ptr:*i64", "tree_tokens_ptr:*i64",
               "tree_parents_ptr:*i64", "tree_depths_ptr:*i64", "tree_valid_ptr:*u8",
-              "tree_mask_ptr:*u8", "index_ptr:*i64", "drafts_ptr:*i32", "cu_drafts_ptr:*i32",
-              "num_scheduled_ptr:*i64", "width:i32", "num_drafts:i32", "row_stride:i32",
+              "tree_mask_ptr:*u8", "index_ptr:*i64", "state_rows_ptr:*i64", "drafts_ptr:*i32",
+              "cu_drafts_ptr:*i32", "num_scheduled_ptr:*i64", "cu_logits_ptr:*i32", "width:i32", "num_drafts:i32", "row_stride:i32",
               "mask_stride_r:i32", "mask_stride_i:i32", "packed_ptr:*i32",
               "packed_stride_r:i32", "packed_stride_i:i32", "positions_ptr:*i64",
               "query_start_ptr:*i32", "row_start_ptr:*i64")
+WALK_TREE = ("accepted_ptr:*i64", "num_accepted_ptr:*i64", "bonus_ptr:*i64", "output_ptr:*i64",
+             "num_sampled_ptr:*i32", "tokens_ptr:*i64", "parents_ptr:*i64", "valid_ptr:*u8",
+             "target_ptr:*i64", "cu_rows_ptr:*i32", "scheduled_ptr:*i64", "n:i32",
+             "tokens_stride:i32", "parents_stride:i32", "valid_stride:i32",
+             "target_stride:i32")
 COMPACT_STEP = ("cache_ptr:*i16", "layer_offset_ptr:*i64", "slot_ptr:*i64", "num_tokens:i32",
                 "stride_block:i32", "stride_head:i32", "stride_slot:i32", "state_ptr:*bf16",
                 "state_offset_ptr:*i64", "num_rows:i32", "row_stride:i32", "ids_ptr:*i32",
@@ -118,20 +123,27 @@ CASES = {
     "compact_step_no_kv": (compact_step_kernel, sig(*COMPACT_STEP, HAS_KV=False,
                                                     **COMPACT_STEP_C)),
     "step_trees_packed": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=True,
-                                                 HAS_POSITIONS=True, BLOCK=32, WORDS=1)),
+                                                 HAS_POSITIONS=True, STATE_ROWS=False,
+                                                 SCHEDULED_OUT=False, BLOCK=32, WORDS=1)),
     "step_trees_chains_wide": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=False,
-                                                      HAS_POSITIONS=True, BLOCK=128, WORDS=3)),
+                                                      HAS_POSITIONS=True, STATE_ROWS=False,
+                                                      SCHEDULED_OUT=False, BLOCK=128, WORDS=3)),
     "step_trees_unpacked": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=True,
-                                                   HAS_POSITIONS=False, BLOCK=32, WORDS=0)),
+                                                   HAS_POSITIONS=False, STATE_ROWS=False,
+                                                   SCHEDULED_OUT=False, BLOCK=32, WORDS=0)),
+    # As the V2 runner launches it: state rows, drafts counted from the logits rows.
+    "step_trees_v2": (step_trees_kernel, sig(*STEP_TREES, HAS_DRAFTED=True,
+                                             HAS_POSITIONS=True, STATE_ROWS=True,
+                                             SCHEDULED_OUT=True, BLOCK=128, WORDS=3)),
     "select_tree": (select_tree_kernel, sig(*SELECT_TREE, BUDGET=16, MAX_DEPTH=15, TOPK=16,
                                             BLOCK=32, RANK_BITS=5, MASK_ROWS=128)),
     "select_tree_wide": (select_tree_kernel, sig(  # budget 511: preorder sums over 512 lanes
         *SELECT_TREE, BUDGET=511, MAX_DEPTH=15, TOPK=16, BLOCK=512, RANK_BITS=9, MASK_ROWS=8)),
-    "walk_tree": (walk_tree_kernel, sig(
-        "accepted_ptr:*i64", "num_accepted_ptr:*i64", "bonus_ptr:*i64", "output_ptr:*i64",
-        "tokens_ptr:*i64", "parents_ptr:*i64", "valid_ptr:*u8", "target_ptr:*i64", "n:i32",
-        "tokens_stride:i32", "parents_stride:i32", "valid_stride:i32", "target_stride:i32",
-        MAX_DEPTH=15, BLOCK=32, PATH_BLOCK=16)),
+    "walk_tree": (walk_tree_kernel, sig(*WALK_TREE, MAX_DEPTH=15, BLOCK=32, PATH_BLOCK=16,
+                                        FROM_ROWS=False, NUM_SAMPLED=False)),
+    # As the V2 sampler launches it: target tokens from the flat logits rows.
+    "walk_rows": (walk_tree_kernel, sig(*WALK_TREE, MAX_DEPTH=7, BLOCK=128, PATH_BLOCK=8,
+                                        FROM_ROWS=True, NUM_SAMPLED=True)),
 }
 
 
@@ -176,8 +188,10 @@ def specialization(kernel, overrides: dict) -> list:
 
 
 @pytest.mark.parametrize("kernel,metadata", [
-    (step_trees_kernel, ["index_ptr", "drafts_ptr", "cu_drafts_ptr", "num_scheduled_ptr",
-                         "positions_ptr", "query_start_ptr", "row_start_ptr"]),
+    (step_trees_kernel, ["index_ptr", "state_rows_ptr", "drafts_ptr", "cu_drafts_ptr",
+                         "num_scheduled_ptr", "cu_logits_ptr", "positions_ptr",
+                         "query_start_ptr", "row_start_ptr"]),
+    (walk_tree_kernel, ["cu_rows_ptr", "scheduled_ptr"]),  # V2: cu_num_logits[1:]
     (tree_attention_kernel, ["block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"]),
 ])
 def test_per_request_metadata_alignment_compiles_no_new_variant(kernel, metadata):
