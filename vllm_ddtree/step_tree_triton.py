@@ -67,10 +67,12 @@ def step_trees_triton(
     device = num_scheduled.device
     if cu_num_logits is not None and (
         cu_num_logits.shape[0] < num_reqs + 1 or num_scheduled.dtype != torch.int64
+        or not num_scheduled.is_contiguous()
     ):
         raise ValueError(
             f"cu_num_logits must be [>= num_reqs + 1] = [>= {num_reqs + 1}] and num_scheduled "
-            f"int64, got {tuple(cu_num_logits.shape)} and {num_scheduled.dtype}"
+            f"(written) contiguous int64, got {tuple(cu_num_logits.shape)} and "
+            f"{num_scheduled.dtype}"
         )
     if state_rows is not None and (index is None or state_rows.dtype != torch.int64):
         raise ValueError("state_rows (int64) needs index: each request's state index")
@@ -122,7 +124,7 @@ def step_trees_triton(
         (index if has_drafted else num_scheduled).contiguous(),
         state_rows if state_rows is not None else num_scheduled,  # read with STATE_ROWS
         drafts, cu_drafts,
-        num_scheduled if cu_num_logits is not None else num_scheduled.contiguous(),
+        num_scheduled.contiguous(),  # itself when written (SCHEDULED_OUT): checked above
         cu_num_logits if cu_num_logits is not None else num_scheduled,  # with SCHEDULED_OUT
         width, draft_token_ids.numel(),
         source.tokens.stride(0), source.ancestor_mask.stride(0), source.ancestor_mask.stride(1),
