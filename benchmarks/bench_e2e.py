@@ -68,8 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graphs", action="store_true",
                    help="torch.compile + CUDA graphs (GPU); default enforce_eager, as the "
                         "CPU backend needs")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
-                   help="vLLM's memory share (on the CPU backend it sizes CPU memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="vLLM's memory share per engine (on the CPU backend it sizes CPU "
+                        "memory); default 0.3, with --interleave at most 0.85 over the "
+                        "engines")
+    p.add_argument("--interleave", action="store_true",
+                   help="start every method's engine first, then time their passes in "
+                        "turn (each round: every row, every engine), so that a drift of "
+                        "the machine's speed falls on all methods alike")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="vLLM's tensor parallelism (GPUs per engine)")
     p.add_argument("--no-custom-all-reduce", action="store_true",
@@ -89,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--repeats must be at least 1")
     if args.tensor_parallel_size < 1:
         p.error("--tensor-parallel-size must be at least 1")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        p.error(f"--gpu-memory-utilization must be in (0, 1]; got {args.gpu_memory_utilization}")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.methods) - {"plain", "chain", "ddtree"})
     if unknown or not args.methods:
@@ -168,13 +176,13 @@ def spec_counters(llm) -> dict[str, Any]:
     return stats
 
 
-def run_method(target: Path, config: dict | None, args: argparse.Namespace,
-               runner: str | None = None, async_scheduling: bool | None = None
-               ) -> tuple[list[dict], dict]:
-    """Rows of one engine, and the runner settings it resolved. ``runner``: "v1" or "v2"
-    forced (None: vLLM's default, or DDTree's); ``async_scheduling``: on or off
-    (None: the default)."""
-    from vllm import LLM, SamplingParams
+def start_engine(target: Path, config: dict | None, args: argparse.Namespace,
+                 runner: str | None = None, async_scheduling: bool | None = None,
+                 memory_share: float | None = None):
+    """One vllm.LLM. ``runner``: "v1" or "v2" forced (None: vLLM's default, or
+    DDTree's); ``async_scheduling``: on or off (None: the default); ``memory_share``:
+    its gpu_memory_utilization (None: --gpu-memory-utilization, else 0.3)."""
+    from vllm import LLM
 
     # The engine process reads the runner choice when it starts; a DDTree engine
     # started earlier in this process set it, so rows without a forced runner clear it.
@@ -182,14 +190,21 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace,
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
     else:
         os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    llm = LLM(model=str(target), speculative_config=config, dtype=args.dtype,
-              enforce_eager=not args.graphs,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024,
-              disable_log_stats=False, seed=0,
-              tensor_parallel_size=args.tensor_parallel_size,
-              disable_custom_all_reduce=args.no_custom_all_reduce,
-              **({} if async_scheduling is None else {"async_scheduling": async_scheduling}),
-              **({"jit_monitor_verbose": True} if args.jit_monitor_verbose else {}))
+    return LLM(model=str(target), speculative_config=config, dtype=args.dtype,
+               enforce_eager=not args.graphs,
+               gpu_memory_utilization=memory_share or args.gpu_memory_utilization or 0.3,
+               max_model_len=1024, disable_log_stats=False, seed=0,
+               tensor_parallel_size=args.tensor_parallel_size,
+               disable_custom_all_reduce=args.no_custom_all_reduce,
+               **({} if async_scheduling is None else {"async_scheduling": async_scheduling}),
+               **({"jit_monitor_verbose": True} if args.jit_monitor_verbose else {}))
+
+
+def timed_calls(llm, args: argparse.Namespace) -> dict[tuple[float, int], tuple[list, Any]]:
+    """Per row (temperature, batch): the generate calls of one timed pass and their
+    sampling parameters."""
+    from vllm import SamplingParams
+
     prompts = [llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         for text in PROMPTS.values()]
@@ -197,33 +212,126 @@ def run_method(target: Path, config: dict | None, args: argparse.Namespace,
     # every kind of prompt (code, math, chat, prose) as batch 8 does (--quick: the
     # first alone, to stay inside CI's time).
     calls_at = {1: [[p] for p in prompts[: 1 if args.quick else None]], 8: [(prompts * 2)[:8]]}
+    return {(temperature, batch): (calls_at[batch], SamplingParams(
+        temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0))
+        for temperature in (0.0, 1.0) for batch in (1, 8)}
+
+
+def run_pass(llm, calls: list, params) -> int:
+    """One pass of a row's calls; the tokens it generated."""
+    outputs = [o for call in calls for o in llm.generate(call, params, use_tqdm=False)]
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def run_method(target: Path, config: dict | None, args: argparse.Namespace,
+               runner: str | None = None, async_scheduling: bool | None = None
+               ) -> tuple[list[dict], dict]:
+    """Rows of one engine, timed while it is the only one, and the runner settings it
+    resolved (``runner``, ``async_scheduling``: as start_engine)."""
+    llm = start_engine(target, config, args, runner, async_scheduling)
     rows = []
-    for temperature in (0.0, 1.0):
-        for batch in (1, 8):
-            params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
-                                    ignore_eos=True, seed=0)
-            batches = calls_at[batch]
-            # Warm-up: the timed calls once, so kernels meet every prompt's shapes (and
-            # compile any variant they lack) before the clock starts. A warm-up of the
-            # first prompt alone left batch 1's first timed round compiling for the
-            # others (DDTree's repeats at aa28b91 spread x1.75, slowest first).
-            for call in batches:
-                llm.generate(call, params, use_tqdm=False)
-            before = spec_counters(llm)
-            times = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                outputs = [o for b in batches for o in llm.generate(b, params, use_tqdm=False)]
-                times.append(time.perf_counter() - start)
-            after = spec_counters(llm)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            row = summarize(before, after, tokens, statistics.median(times), temperature, batch)
-            row["steps"] /= args.repeats  # the counters span every timed call
-            row["seconds_each"] = [round(t, 6) for t in times]
-            rows.append(row)
+    for (temperature, batch), (calls, params) in timed_calls(llm, args).items():
+        # Warm-up: the timed calls once, so kernels meet every prompt's shapes (and
+        # compile any variant they lack) before the clock starts. A warm-up of the
+        # first prompt alone left batch 1's first timed round compiling for the
+        # others (DDTree's repeats at aa28b91 spread x1.75, slowest first).
+        run_pass(llm, calls, params)
+        before = spec_counters(llm)
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            tokens = run_pass(llm, calls, params)
+            times.append(time.perf_counter() - start)
+        row = summarize(before, spec_counters(llm), tokens, statistics.median(times),
+                        temperature, batch)
+        row["steps"] /= args.repeats  # the counters span every timed call
+        row["seconds_each"] = [round(t, 6) for t in times]
+        rows.append(row)
     settings = engine_settings(llm)
     llm.llm_engine.engine_core.shutdown()
     return rows, settings
+
+
+def run_one_by_one(target: Path, named: list[tuple[str, dict | None]],
+                   args: argparse.Namespace, write) -> tuple[dict, dict]:
+    """Each method's engine started, timed and shut down before the next;
+    ``write(results, engines)`` after every method, so a run cut short keeps what it
+    measured."""
+    results: dict[str, list[dict]] = {}
+    engines: dict[str, dict] = {}
+    for name, config in named:
+        print(f"[bench] {name} ...", flush=True)
+        start = time.perf_counter()
+        runner, async_scheduling = engine_overrides(name)
+        results[name], engines[name] = run_method(target, config, args, runner=runner,
+                                                   async_scheduling=async_scheduling)
+        print(f"[bench] {name}: {engines[name]}", flush=True)
+        print(f"[bench] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
+        write(results, engines)
+    return results, engines
+
+
+def run_interleaved(target: Path, named: list[tuple[str, dict | None]],
+                    args: argparse.Namespace, write) -> tuple[dict, dict]:
+    """Every method's engine alive at once and their timed passes taken in turn, so
+    that a change of the machine's speed during the run falls on all of them alike
+    (seen on the H200: the same engine's batch-1 time moving 1.34x between runs
+    minutes apart). ``write(results, engines)`` keeps what each round measured.
+
+    vLLM keeps one metrics registry per process and a new engine clears it, so each
+    engine's tau comes from one counted pass after its warm-up, read before the next
+    engine starts: the timed calls with the same seeds and the prefix cache as warm as
+    theirs (the first pass meets the prompts cold, and at T=1 a chain's drafts were
+    seen to differ there)."""
+    share = args.gpu_memory_utilization or round(min(0.3, 0.85 / len(named)), 3)
+    engines: dict[str, dict] = {}
+    live = []
+    for name, config in named:
+        print(f"[bench] {name}: starting engine {len(live) + 1} of {len(named)}", flush=True)
+        llm = start_engine(target, config, args, *engine_overrides(name), memory_share=share)
+        calls = timed_calls(llm, args)
+        counted = {}
+        for key, (batch_calls, params) in calls.items():
+            run_pass(llm, batch_calls, params)  # warm-up, as run_method's
+            before = spec_counters(llm)
+            tokens = run_pass(llm, batch_calls, params)
+            counted[key] = (before, spec_counters(llm), tokens)
+        engines[name] = engine_settings(llm)
+        live.append((name, llm, calls, counted))
+    times: dict[str, dict[tuple, list[float]]] = {name: {} for name, *_ in live}
+    results: dict[str, list[dict]] = {}
+    for repeat in range(args.repeats):
+        turn = live[repeat % len(live):] + live[: repeat % len(live)]  # who goes first rotates
+        for key in live[0][2]:
+            for name, llm, calls, _ in turn:
+                start = time.perf_counter()
+                run_pass(llm, *calls[key])
+                times[name].setdefault(key, []).append(time.perf_counter() - start)
+        results = {name: [interleaved_row(counted[key], times[name][key], key)
+                          for key in calls] for name, _, calls, counted in live}
+        write(results, engines)
+        print(f"[bench] timed round {repeat + 1} of {args.repeats}", flush=True)
+    for _, llm, *_ in live:
+        llm.llm_engine.engine_core.shutdown()
+    return results, engines
+
+
+def check_memory_shares(args: argparse.Namespace, num_engines: int) -> None:
+    """With every engine alive at once, their memory shares must fit together."""
+    share = args.gpu_memory_utilization
+    if share is not None and share * num_engines > 0.95:
+        raise SystemExit(
+            f"--interleave keeps {num_engines} engines alive at once: "
+            f"--gpu-memory-utilization {share} each would ask for {share * num_engines:.2f} "
+            f"of the device; give at most {0.95 / num_engines:.3f} (or leave it out)")
+
+
+def interleaved_row(counted: tuple, times: list[float], key: tuple[float, int]) -> dict:
+    """A row from the warm-up pass's counters and the timed passes' times."""
+    before, after, tokens = counted
+    row = summarize(before, after, tokens, statistics.median(times), *key)
+    row["seconds_each"] = [round(t, 6) for t in times]
+    return row
 
 
 def engine_settings(llm) -> dict[str, Any]:
@@ -338,26 +446,24 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     target, drafter = resolve_models(args)
     print(f"[bench] target {target}\n[bench] drafter {drafter}", flush=True)
-    results: dict[str, list[dict]] = {}
-    engines: dict[str, dict] = {}
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = results_stem(args)
-    for name, config in methods(args, drafter):
-        print(f"[bench] {name} ...", flush=True)
-        start = time.perf_counter()
-        runner, async_scheduling = engine_overrides(name)
-        results[name], engines[name] = run_method(target, config, args, runner=runner,
-                                                   async_scheduling=async_scheduling)
-        print(f"[bench] {name}: {engines[name]}", flush=True)
-        print(f"[bench] {name} done in {time.perf_counter() - start:.0f} s", flush=True)
-        # Written after every method, so a run cut short keeps what it measured.
+
+    def write(results: dict, engines: dict) -> None:
         Path(f"{stem}.json").write_text(json.dumps(
             {"target": str(target), "drafter": str(drafter), "max_tokens": args.max_tokens,
              "dtype": args.dtype, "graphs": args.graphs, "repeats": args.repeats,
+             "interleaved": args.interleave,
              "tensor_parallel_size": args.tensor_parallel_size,
              "custom_all_reduce": not args.no_custom_all_reduce,
              "engines": engines,
              "results": results}, indent=1))
+
+    named = methods(args, drafter)
+    if args.interleave:
+        check_memory_shares(args, len(named))
+    run = run_interleaved if args.interleave else run_one_by_one
+    results, engines = run(target, named, args, write)
     print_table(results)
     if plot(results, Path(f"{stem}.png")):
         print(f"[bench] wrote {stem}.json and {stem}.png")

@@ -257,11 +257,21 @@ TIMED = (
     ("vllm_ddtree.runner", None, "compact_after_walk"),
     ("vllm_ddtree.runner", None, "record_drafted_trees"),
     ("vllm_ddtree.attention.common", "TreeMetadataBuilderMixin", "build"),
+    # The attention metadata build split up: vLLM's FlashAttention builder (both
+    # methods' steps) and DDTree's layer over it (the prefix schedule of a tree step).
+    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder", "build"),
+    ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder",
+     "_get_scheduler_metadata"),
+    ("vllm_ddtree.attention.cuda", "DDTreeFlashAttentionMetadataBuilder", "build"),
+    ("vllm_ddtree.attention.cuda", "DDTreeFlashAttentionMetadataBuilder",
+     "_get_scheduler_metadata"),
     # The V2 runner (vLLM 0.33) and DDTree's hooks in it.
     *(("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", name) for name in (
         "execute_model", "update_requests", "add_requests", "prepare_inputs",
         "prepare_attn", "sample", "postprocess_sampled", "sample_tokens",
         "postprocess_num_computed_tokens")),
+    # V2's metadata build for every attention group, as its default model state calls it.
+    ("vllm.v1.worker.gpu.model_states.default", None, "build_attn_metadata"),
     ("vllm.v1.worker.gpu.sample.sampler", "Sampler", "__call__"),
     ("vllm.v1.worker.gpu.sample.sampler", "Sampler", "sample"),
     ("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler", "__call__"),

@@ -210,3 +210,82 @@ def test_out_ending_in_json_names_the_file_not_a_stem(tmp_path, monkeypatch):
                 "--max-tokens", "4", "--out", str(out)])
     assert json.loads(out.read_text())["results"].keys() == {"plain"}
     assert not (tmp_path / "named.json.json").exists()
+
+
+class CountingLLM(FakeLLM):
+    """A FakeLLM with vLLM's spec-decode counters: every generate call adds one draft
+    per prompt and ``accepted`` accepted tokens; a newer engine clears the registry, as
+    vLLM's metrics do, so an older engine's counters read empty from then on.
+    ``log`` records (engine, event) in order over all engines."""
+
+    log: ClassVar[list[tuple[int, str]]] = []
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.index = len(FakeLLM.engines) - 1
+        self.accepted = 1 + self.index  # tau 2, 3, ...: tells the engines' rows apart
+        self.drafts = self.accepted_total = 0
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(
+            shutdown=lambda: CountingLLM.log.append((self.index, "shutdown"))))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        CountingLLM.log.append((self.index, "generate"))
+        self.drafts += len(prompts)
+        self.accepted_total += self.accepted * len(prompts)
+        return super().generate(prompts, params, use_tqdm)
+
+    def get_metrics(self):
+        if FakeLLM.engines[-1] is not self:  # cleared by a newer engine
+            return []
+        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=self.drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens",
+                                value=self.accepted_total)]
+
+
+def test_interleave_times_live_engines_in_turn_and_counts_each_before_the_next(
+        tmp_path, monkeypatch):
+    import vllm
+
+    drafter = fake_engines(tmp_path, monkeypatch)
+    monkeypatch.setattr(vllm, "LLM", CountingLLM)
+    CountingLLM.log = []
+    out = tmp_path / "inter"
+    bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods",
+                "chain,ddtree", "--max-tokens", "4", "--repeats", "3", "--interleave",
+                "--quick", "--out", str(out)])  # --quick: budget 8, cap 4
+    chain, tree = FakeLLM.engines
+    # Both engines alive through the timing (the default memory share, 0.3, fits twice
+    # in 0.85), shut down only at the end.
+    assert [m["gpu_memory_utilization"] for m in FakeLLM.made] == [0.3, 0.3]
+    assert CountingLLM.log[-2:] == [(0, "shutdown"), (1, "shutdown")]
+    # Start-up: each engine's warm-up and counted passes (four rows, one call each
+    # with --quick) before the next engine starts; then every timed pass alternates
+    # engines, the first engine of a round rotating.
+    timed = [i for i, event in CountingLLM.log[16:-2] if event == "generate"]
+    assert [i for i, _ in CountingLLM.log[:16]] == [0] * 8 + [1] * 8
+    assert timed == [0, 1] * 4 + [1, 0] * 4 + [0, 1] * 4
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["interleaved"] is True
+    rows = saved["results"]
+    # tau from each engine's own counted pass (chain 1 + 1, tree 1 + 2), read while
+    # its counters were live: read later, the cleared registry would give 1.0. One
+    # draft per prompt and call: a count spanning the warm-up too would double these.
+    assert [r["steps"] for r in rows["chain"]] == [1, 8, 1, 8]
+    assert {r["tau"] for r in rows["chain"]} == {2.0}
+    assert {r["tau"] for r in rows["ddtree-b8-k4"]} == {3.0}
+    assert [len(r["seconds_each"]) for r in rows["chain"]] == [3] * 4
+    assert [(r["temperature"], r["batch"]) for r in rows["chain"]] == [
+        (0.0, 1), (0.0, 8), (1.0, 1), (1.0, 8)]
+
+
+def test_interleave_refuses_memory_shares_that_do_not_fit_together(tmp_path, monkeypatch):
+    drafter = fake_engines(tmp_path, monkeypatch)
+    with pytest.raises(SystemExit, match="at most 0.317"):
+        bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--budgets", "16",
+                    "--caps", "4", "--interleave", "--gpu-memory-utilization", "0.4"])
+    assert FakeLLM.made == []  # refused before any engine started
+    # Left out, each of four engines gets 0.85 / 4 of the device.
+    bench.main(["--target", str(tmp_path), "--drafter", str(drafter), "--methods",
+                "plain,chain,ddtree", "--budgets", "16", "32", "--caps", "4", "--interleave",
+                "--max-tokens", "4", "--out", str(tmp_path / "four")])
+    assert [m["gpu_memory_utilization"] for m in FakeLLM.made] == [0.212] * 4

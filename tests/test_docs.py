@@ -103,7 +103,8 @@ def block_after_file(text: str, name: str) -> tuple[list[str], list[list[str]]]:
 
 @pytest.mark.parametrize("name", ["e2e_h200_runners.json", "e2e_h200_rerun.json",
                                   "e2e_h200_async.json", "e2e_h200_runners2.json",
-                                  "e2e_h200_v2.json", "e2e_h200_v2_fused.json"])
+                                  "e2e_h200_v2.json", "e2e_h200_v2_fused.json",
+                                  *(f"e2e_h200_6506348_{run}.json" for run in (1, 2, 3, 4))])
 def test_bench_readme_runner_tables_are_the_results_files(name):
     """benchmarks/README.md's H200 runs: tau, tok/s and the ratios to the rows named in
     the heading's "x <row>" columns (same temperature and batch) are the file's."""
@@ -258,6 +259,23 @@ def test_readme_four_prompt_batch_1_table_is_the_results_file():
         assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), (method, t)
         chain = row_at(res["chain"], float(t), 1)
         assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (method, t)
+
+
+def test_readme_four_runs_table_is_the_results_files():
+    """README's T=0 batch-1 rows of the four 6506348 runs: tau, tok/s, ms per step and
+    the ratio to the chain of the same run are e2e_h200_6506348_<run>.json's, and every
+    method of every run is there."""
+    runs = {run: results_rows(f"e2e_h200_6506348_{run}.json") for run in "1234"}
+    rows = block_after(README, "run  method            tau   tok/s   ms per step   x chain\n")
+    assert {(run, method) for run, method, *_ in rows} == {
+        (run, method) for run, res in runs.items() for method in res}
+    for run, method, tau, tok_s, ms, x_chain in rows:
+        r = greedy(runs[run][method], 1)
+        assert float(tau) == round(r["tau"], 2), (run, method)
+        assert int(tok_s) == round(r["tok_per_s"]), (run, method)
+        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), (run, method)
+        chain = greedy(runs[run]["chain"], 1)
+        assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (run, method)
 
 
 def test_readme_tree_attention_table_is_the_results_file():

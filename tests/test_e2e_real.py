@@ -67,3 +67,21 @@ def test_bench_e2e_quick(smollm2, tmp_path):
                 assert row["steps"] == 0 and row["tau"] == 1.0
             else:
                 assert row["steps"] > 0 and 1.0 <= row["tau"] <= 8.0
+    # --interleave: the chain's and DDTree's engines alive at once, timed in turn. Each
+    # engine's counters are read over a pass after its warm-up, before the next one
+    # starts (a new engine clears vLLM's metrics); greedy, that pass is the same
+    # decoding as the one-by-one run's timed passes.
+    inter = tmp_path / "interleaved"
+    interleaved = bench_e2e.main(["--quick", "--interleave", "--methods", "chain,ddtree",
+                                  "--target", str(smollm2), "--drafter", str(DRAFTER),
+                                  "--max-tokens", "24", "--gpu-memory-utilization", "0.15",
+                                  "--out", str(inter)])  # on the CPU: of its memory
+    assert json.loads(Path(f"{inter}.json").read_text())["interleaved"] is True
+    for name in ("chain", "ddtree-b8-k4"):
+        for one_by_one, row in zip(results[name], interleaved[name], strict=True):
+            assert (row["temperature"], row["batch"]) == (one_by_one["temperature"],
+                                                          one_by_one["batch"])
+            assert row["steps"] > 0 and row["tok_per_s"] > 0
+            if row["temperature"] == 0.0:
+                assert row["steps"] == one_by_one["steps"], (name, row["batch"])
+                assert row["accept_rate_per_depth"] == one_by_one["accept_rate_per_depth"]
