@@ -327,7 +327,7 @@ def check_memory_shares(args: argparse.Namespace, num_engines: int) -> None:
 
 
 def interleaved_row(counted: tuple, times: list[float], key: tuple[float, int]) -> dict:
-    """A row from the warm-up pass's counters and the timed passes' times."""
+    """A row from the counted pass's counters and the timed passes' times."""
     before, after, tokens = counted
     row = summarize(before, after, tokens, statistics.median(times), *key)
     row["seconds_each"] = [round(t, 6) for t in times]
