@@ -104,7 +104,8 @@ def block_after_file(text: str, name: str) -> tuple[list[str], list[list[str]]]:
 @pytest.mark.parametrize("name", ["e2e_h200_runners.json", "e2e_h200_rerun.json",
                                   "e2e_h200_async.json", "e2e_h200_runners2.json",
                                   "e2e_h200_v2.json", "e2e_h200_v2_fused.json",
-                                  *(f"e2e_h200_6506348_{run}.json" for run in (1, 2, 3, 4))])
+                                  *(f"e2e_h200_6506348_{run}.json" for run in (1, 2, 3, 4)),
+                                  "e2e_h200_interleave_1.json", "e2e_h200_interleave_2.json"])
 def test_bench_readme_runner_tables_are_the_results_files(name):
     """benchmarks/README.md's H200 runs: tau, tok/s and the ratios to the rows named in
     the heading's "x <row>" columns (same temperature and batch) are the file's."""
@@ -309,3 +310,34 @@ def test_bench_readme_key_lists_table_is_the_results_file():
               for t, table in tables.items()}
     assert f"within 1.2x of FA3: {within['new']} of 48 against {within['old']}" in (
         " ".join(BENCH_README.split()))
+
+
+def test_readme_interleaved_runs_table_is_the_results_files():
+    """README's batch-1 rows of the two interleaved runs: tau, tok/s, ms per step and
+    the ratio to the chain of the same run and temperature are
+    e2e_h200_interleave_<run>.json's, every method of both runs at both temperatures."""
+    runs = {run: results_rows(f"e2e_h200_interleave_{run}.json") for run in "12"}
+    assert all(json.loads((RESULTS / f"e2e_h200_interleave_{run}.json").read_text())[
+        "interleaved"] for run in runs)
+    rows = block_after(README, "run  method          T    tau   tok/s   ms per step   x chain\n1 ")
+    assert {(run, method, t) for run, method, t, *_ in rows} == {
+        (run, method, t) for run, res in runs.items() for method in res for t in "01"}
+    for run, method, t, tau, tok_s, ms, x_chain in rows:
+        r = row_at(runs[run][method], float(t), 1)
+        assert float(tau) == round(r["tau"], 2), (run, method, t)
+        assert int(tok_s) == round(r["tok_per_s"]), (run, method, t)
+        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), (run, method, t)
+        chain = row_at(runs[run]["chain"], float(t), 1)
+        assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (run, method, t)
+
+
+def test_readme_graph_coverage_ratios_are_the_results_files():
+    """The current-limits note's batch-8 ratios (budget 64 without graphs, budget 16
+    with them) are the interleaved runs' T=0 rows."""
+    quoted = re.search(r"ran at ([\d.]+)x the chain's tokens/s, against\s+([\d.]+)x for "
+                       r"budget 16 at batch 8", README)
+    assert quoted, "the graph-coverage note is missing"
+    for value, run, method in zip(quoted.groups(), "21", ("ddtree-b64-k4", "ddtree-b16-k4")):
+        res = results_rows(f"e2e_h200_interleave_{run}.json")
+        ratio = greedy(res[method], 8)["tok_per_s"] / greedy(res["chain"], 8)["tok_per_s"]
+        assert value == f"{ratio:.2f}", method

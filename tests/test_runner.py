@@ -328,3 +328,50 @@ def test_verify_step_inputs_take_one_launch_on_cuda(monkeypatch):
     assert not torch.equal(fast.positions.cpu(), positions)  # some node sits at its depth
     assert torch.equal(fast.ddtree_state.mask_buffer.cpu(),
                        reference.ddtree_state.mask_buffer.cpu())
+
+
+def engine_config(sizes: list[int], max_num_seqs: int, enforce_eager: bool = False):
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(cudagraph_capture_sizes=sizes),
+        model_config=SimpleNamespace(enforce_eager=enforce_eager),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+    )
+
+
+# vLLM 0.33's capture sizes on the H200 for a DDTree engine at budget 64 (its default
+# ceiling of 512 tokens, read from the engine's start-up log): 1, 2, 4, steps of 8 up
+# to 256 with the uniform verify sizes 65, 130 and 260 added, then steps of 16.
+SIZES_B64 = sorted({1, 2, 4, 65, 130, 260, *range(8, 257, 8), *range(272, 513, 16)})
+
+
+@pytest.mark.parametrize("budget,max_num_seqs,sizes,covered,level", [
+    (64, 256, SIZES_B64, 7, "info"),  # 8 requests are 520 rows: past 512, no graph
+    (64, 7, SIZES_B64, 7, None),  # every batch the scheduler can form is covered
+    (16, 8, SIZES_B64, 30, None),
+    (16, 256, [1, 2, 4, 8, 16], 0, "warning"),  # 17 rows fit no graph at all
+    (16, 256, [], None, None),  # no graphs captured (enforce_eager or mode NONE)
+])
+def test_start_up_says_how_many_requests_a_graphed_verify_step_holds(
+        monkeypatch, budget, max_num_seqs, sizes, covered, level):
+    """budget + 1 rows per request against vLLM's largest capture size: verify steps
+    of more requests run without CUDA graphs, which the engine's log says once."""
+    messages = {"info": [], "warning": []}
+    for name in messages:
+        monkeypatch.setattr(ddtree_runner.logger, name,
+                            lambda msg, *args, _n=name: messages[_n].append(msg % args))
+    ddtree = DDTreeConfig(budget=budget, topk_cap=4, block_size=8, vocab_size=50)
+    config = engine_config(sizes, max_num_seqs)
+    assert ddtree_runner.graph_coverage(config, ddtree.verify_width) == covered
+    ddtree_runner.log_graph_coverage(config, ddtree)
+    logged = {name: found for name, found in messages.items() if found}
+    assert list(logged) == ([level] if level else [])
+    if level == "info":
+        assert f"up to {covered} concurrent requests" in logged["info"][0]
+        assert f"max_num_seqs={max_num_seqs}" in logged["info"][0]
+    if level == "warning":
+        assert f"at least {budget + 1}" in logged["warning"][0]
+
+
+def test_an_eager_engine_has_no_graph_coverage():
+    config = engine_config(SIZES_B64, 256, enforce_eager=True)
+    assert ddtree_runner.graph_coverage(config, 17) is None

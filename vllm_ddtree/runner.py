@@ -103,6 +103,44 @@ def install(runner: GPUModelRunner) -> None:
         ddtree.drafter_width,
         "on" if runner.use_async_scheduling else "off",
     )
+    log_graph_coverage(runner.vllm_config, ddtree)
+
+
+def graph_coverage(vllm_config: Any, verify_width: int) -> int | None:
+    """Most requests whose verify step (``verify_width`` rows each) fits vLLM's largest
+    CUDA-graph capture size; None where the engine captures no graphs. vLLM captures
+    none above ``compilation_config.max_cudagraph_capture_size`` (512 tokens by
+    default on Hopper), so a verify batch of more requests runs without graphs."""
+    compilation = vllm_config.compilation_config
+    sizes = compilation.cudagraph_capture_sizes
+    if vllm_config.model_config.enforce_eager or not sizes:
+        return None
+    return max(sizes) // verify_width
+
+
+def log_graph_coverage(vllm_config: Any, ddtree: DDTreeConfig) -> None:
+    """Say at start-up how many concurrent requests a verify step may hold and still
+    run in a CUDA graph: budget + 1 rows each, so large budgets cover few requests
+    (on the H200, budget 64 at batch 8 ran without graphs; benchmarks/README.md)."""
+    covered = graph_coverage(vllm_config, ddtree.verify_width)
+    if covered is None:
+        return
+    largest = max(vllm_config.compilation_config.cudagraph_capture_sizes)
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    if covered == 0:
+        logger.warning(
+            "DDTree: a verify step of one request is %d rows (ddtree_budget + 1) and "
+            "vLLM captures CUDA graphs up to %d tokens, so no verify step runs in a "
+            "CUDA graph. Lower ddtree_budget or raise "
+            "compilation_config.max_cudagraph_capture_size to at least %d.",
+            ddtree.verify_width, largest, ddtree.verify_width)
+    elif covered < max_num_seqs:
+        logger.info(
+            "DDTree: CUDA graphs cover verify steps of up to %d concurrent requests "
+            "(%d rows each, graphs up to %d tokens); steps with more requests, up to "
+            "max_num_seqs=%d, run without them. A lower ddtree_budget or a larger "
+            "compilation_config.max_cudagraph_capture_size covers more.",
+            covered, ddtree.verify_width, largest, max_num_seqs)
 
 
 def begin_verify_step(

@@ -49,7 +49,12 @@ from vllm_ddtree.attention.state import (
     publishing,
 )
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.runner import KVGroup, compact_accepted, step_attention_info
+from vllm_ddtree.runner import (
+    KVGroup,
+    compact_accepted,
+    log_graph_coverage,
+    step_attention_info,
+)
 from vllm_ddtree.sampler import TreeVerifyStep
 from vllm_ddtree.step_tree_triton import step_trees_triton
 from vllm_ddtree.sync import step_phase, to_device
@@ -123,6 +128,7 @@ def install(runner: GPUModelRunner) -> None:
     )
     logger.info("DDTree on the V2 model runner: verify width %d, drafter width %d.",
                 ddtree.verify_width, ddtree.drafter_width)
+    log_graph_coverage(runner.vllm_config, ddtree)
 
 
 def after_load_model(runner: GPUModelRunner) -> None:
