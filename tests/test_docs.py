@@ -27,6 +27,13 @@ def greedy(rows: list[dict], batch: int) -> dict:
     return row_at(rows, 0.0, batch)
 
 
+def assert_tau_speed_step(r: dict, tau: str, tok_s: str, ms: str, where) -> None:
+    """A doc row's tau, whole tok/s and ms per verify step are the results row's."""
+    assert float(tau) == round(r["tau"], 2), where
+    assert int(tok_s) == round(r["tok_per_s"]), where
+    assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), where
+
+
 def block_after(text: str, heading_line: str) -> list[list[str]]:
     """Rows of the fenced block that starts with ``heading_line``, split on spaces."""
     start = text.index(heading_line)
@@ -182,9 +189,7 @@ def test_readme_async_run_table_is_the_results_file():
         name = names[(method, runner if method == "chain" else sched)]
         seen.add(name)
         r = greedy(res[name], 1)
-        assert float(tau) == round(r["tau"], 2), name
-        assert int(tok_s) == round(r["tok_per_s"]), name
-        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), name
+        assert_tau_speed_step(r, tau, tok_s, ms, name)
         assert float(x_chain) == round(r["tok_per_s"] / chain["tok_per_s"], 2), name
         assert float(x_v1) == round(r["tok_per_s"] / chain_v1["tok_per_s"], 2), name
     assert seen == set(res)
@@ -237,9 +242,7 @@ def test_readme_v2_run_table_is_the_results_files():
     for run, method, runner, _, t, tau, tok_s, ms, x_chain, x_v1 in rows:
         name = "chain" if method == "chain" else f"{method}-{'v2' if runner == 'V2,' else 'sync'}"
         r = row_at(res[run][name], float(t), 1)
-        assert float(tau) == round(r["tau"], 2), (run, name)
-        assert int(tok_s) == round(r["tok_per_s"]), (run, name)
-        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), (run, name)
+        assert_tau_speed_step(r, tau, tok_s, ms, (run, name))
         chain = row_at(res["A"]["chain"], float(t), 1)
         assert x_chain == ("-" if run != "A" else f"{r['tok_per_s'] / chain['tok_per_s']:.2f}")
         v1 = res[run].get(f"{method}-sync")
@@ -255,9 +258,7 @@ def test_readme_four_prompt_batch_1_table_is_the_results_file():
     assert len(rows) == 4
     for method, t, tau, tok_s, ms, x_chain in rows:
         r = row_at(res[method], float(t), 1)
-        assert float(tau) == round(r["tau"], 2), (method, t)
-        assert int(tok_s) == round(r["tok_per_s"]), (method, t)
-        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), (method, t)
+        assert_tau_speed_step(r, tau, tok_s, ms, (method, t))
         chain = row_at(res["chain"], float(t), 1)
         assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (method, t)
 
@@ -272,9 +273,7 @@ def test_readme_four_runs_table_is_the_results_files():
         (run, method) for run, res in runs.items() for method in res}
     for run, method, tau, tok_s, ms, x_chain in rows:
         r = greedy(runs[run][method], 1)
-        assert float(tau) == round(r["tau"], 2), (run, method)
-        assert int(tok_s) == round(r["tok_per_s"]), (run, method)
-        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), (run, method)
+        assert_tau_speed_step(r, tau, tok_s, ms, (run, method))
         chain = greedy(runs[run]["chain"], 1)
         assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (run, method)
 
@@ -316,17 +315,16 @@ def test_readme_interleaved_runs_table_is_the_results_files():
     """README's batch-1 rows of the two interleaved runs: tau, tok/s, ms per step and
     the ratio to the chain of the same run and temperature are
     e2e_h200_interleave_<run>.json's, every method of both runs at both temperatures."""
-    runs = {run: results_rows(f"e2e_h200_interleave_{run}.json") for run in "12"}
-    assert all(json.loads((RESULTS / f"e2e_h200_interleave_{run}.json").read_text())[
-        "interleaved"] for run in runs)
+    files = {run: json.loads((RESULTS / f"e2e_h200_interleave_{run}.json").read_text())
+             for run in "12"}
+    assert all(f["interleaved"] for f in files.values())
+    runs = {run: f["results"] for run, f in files.items()}
     rows = block_after(README, "run  method          T    tau   tok/s   ms per step   x chain\n1 ")
     assert {(run, method, t) for run, method, t, *_ in rows} == {
         (run, method, t) for run, res in runs.items() for method in res for t in "01"}
     for run, method, t, tau, tok_s, ms, x_chain in rows:
         r = row_at(runs[run][method], float(t), 1)
-        assert float(tau) == round(r["tau"], 2), (run, method, t)
-        assert int(tok_s) == round(r["tok_per_s"]), (run, method, t)
-        assert float(ms) == round(1000 * r["seconds"] / r["steps"], 1), (run, method, t)
+        assert_tau_speed_step(r, tau, tok_s, ms, (run, method, t))
         chain = row_at(runs[run]["chain"], float(t), 1)
         assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (run, method, t)
 
