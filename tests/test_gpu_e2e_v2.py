@@ -110,6 +110,9 @@ def test_v2_greedy_identical_float32(gpu_qwen3, make_drafter, hf_float32, monkey
         shutdown(llm)
     log = "".join(capfd.readouterr())
     assert "DDTree on the V2 model runner" in log
+    # With graphs, the step's own launches replay as CUDA graphs too (step_graphs.py).
+    for part in ("tree layout", "walk and compaction"):
+        assert (f"DDTree {part}: the step's launches replay as a CUDA graph" in log) == graphs
     identical = assert_identical_or_near_tie(batch16, expected, FLOAT32_NEAR_TIE)
     assert identical >= len(PROMPTS16) - 2
     assert_identical_or_near_tie(batch1, expected[3:4], FLOAT32_NEAR_TIE)

@@ -21,7 +21,7 @@ pytest.importorskip("vllm.v1.worker.gpu.sample.penalties")  # vLLM's V2 runner m
 
 from vllm_ddtree import runner_v2  # noqa: E402
 from vllm_ddtree.attention.reference import pack_tree_mask  # noqa: E402
-from vllm_ddtree.attention.state import mask_buffer, packed_view  # noqa: E402
+from vllm_ddtree.attention.state import packed_view  # noqa: E402
 from vllm_ddtree.config import DDTreeConfig  # noqa: E402
 from vllm_ddtree.tree import DDTree, build_ddtree  # noqa: E402
 
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 BUDGET, BLOCK, VOCAB = 6, 4, 40  # max depth 3
 MAX_REQS = 8
+MAX_TOKENS = 32
 
 
 def ddtree_config() -> DDTreeConfig:
@@ -90,11 +91,8 @@ class Step:
             penalties_state=SimpleNamespace(use_penalty=use_penalty),
             logits_processors=[], needs_logits_processing=np.zeros(MAX_REQS, dtype=bool),
         )
-        self.state = runner_v2.DDTreeV2State(
-            ddtree=ddtree_config(),
-            mask_buffer=mask_buffer(MAX_REQS, BUDGET + 1, torch.device("cpu")),
-            row_start_buffer=torch.zeros(MAX_REQS, dtype=torch.int64),
-        )
+        self.state = runner_v2.DDTreeV2State.create(ddtree_config(), MAX_REQS, MAX_TOKENS,
+                                                    torch.device("cpu"))
         self.runner = SimpleNamespace(
             device=torch.device("cpu"), ddtree_state=self.state, sampler=self.sampler,
             speculator=SimpleNamespace(trees=self.trees_buffer, tree_row_of_state=row_of_state,
@@ -286,11 +284,7 @@ def a_deep_path(step: Step) -> list[int]:
     return path
 
 
-def test_the_walk_returns_v2_sampler_output_and_compacts_the_path(monkeypatch):
-    import vllm.v1.worker.gpu.input_batch as v2_input_batch
-
-    monkeypatch.setattr(v2_input_batch, "get_num_sampled_and_rejected",
-                        sampled_and_rejected_twin)
+def test_the_walk_returns_v2_sampler_output_and_compacts_the_path():
     step = Step()
     greedy_sampler(step)
     step.begin()
@@ -311,6 +305,15 @@ def test_the_walk_returns_v2_sampler_output_and_compacts_the_path(monkeypatch):
     assert out.sampled_token_ids[1].tolist() == [b_bonus] + [-1] * (width - 1)
     assert out.sampled_token_ids[2, 0] == 9
     assert out.num_sampled.tolist() == [len(path) + 1, 1, 0]  # C is still prefilling
+    # The counts are vLLM's rule applied to the walk's (the walk computes them itself).
+    vllm_sampled, vllm_rejected = sampled_and_rejected_twin(
+        torch.tensor([len(path) + 1, 1, 1], dtype=torch.int32), step.batch.seq_lens,
+        step.batch.cu_num_logits, step.batch.idx_mapping,
+        step.sampler.req_states.prefill_len.gpu)
+    assert out.num_sampled.tolist() == vllm_sampled.tolist()
+    assert out.num_rejected.tolist() == vllm_rejected.tolist()
+    # The outputs are the caller's: the next step's launches write the step buffers.
+    assert out.sampled_token_ids.data_ptr() != step.state.buffers.walk.output_tokens.data_ptr()
     assert out.num_rejected.tolist() == [width - len(path) - 1, width - 1, 0]
     # Row d of A holds the state of the node accepted at depth d; positions are a chain.
     for depth, node in enumerate([0, *path]):

@@ -22,7 +22,7 @@ from vllm_ddtree.attention.reference import pack_tree_mask
 from vllm_ddtree.compaction import tree_positions
 from vllm_ddtree.sampler import step_trees
 from vllm_ddtree.step_tree_triton import step_trees_triton
-from vllm_ddtree.tree import build_ddtree
+from vllm_ddtree.tree import DDTree, build_ddtree
 
 pytestmark = [pytest.mark.gpu, needs_kernel]
 FIELDS = ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes")
@@ -167,6 +167,37 @@ def test_rows_of_states_and_drafts_from_logits_rows_in_the_same_launch(budget, d
         step_trees_triton(on_device(drafted), None, meta.draft_token_ids.to(DEVICE),
                           meta.cu_num_draft_tokens.to(DEVICE), n.to(DEVICE), width,
                           state_rows=state_rows.to(DEVICE))
+
+
+@pytest.mark.parametrize("budget,depth,cap", [(4, 3, None), (16, 15, 4)])
+def test_trees_written_into_buffers_are_the_new_ones(budget, depth, cap):
+    """With ``out`` (runner_v2's step buffers: more rows and at least as wide as the
+    step) the trees are the same, laid out row-major at the buffers' start whatever
+    the step's width; the rest of the buffers is not written."""
+    rng = random.Random(budget + depth)
+    num_reqs = 3
+    drafted, index, meta = make_step(num_reqs, budget, depth, cap, rng)
+    n = torch.tensor(meta.num_draft_tokens)
+    width = int(n.max()) + 1
+    args = (on_device(drafted), index.to(DEVICE), meta.draft_token_ids.to(DEVICE),
+            meta.cu_num_draft_tokens.to(DEVICE), n.to(DEVICE), width)
+    want = step_trees_triton(*args)
+    big = budget + 3
+    out = DDTree(*(torch.full(shape, 7, dtype=dtype, device=DEVICE) for shape, dtype in (
+        ((5, big), torch.int64), ((5, big), torch.int64), ((5, big), torch.int64),
+        ((5, big), torch.bool), ((5, big, big), torch.bool), ((5,), torch.int64))))
+    got = step_trees_triton(*args, out=out)
+    for f in FIELDS:
+        field, stored = getattr(got, f), getattr(out, f)
+        assert torch.equal(field, getattr(want, f)), f
+        assert field.data_ptr() == stored.data_ptr(), f
+        past = stored.view(-1)[field.numel():]  # nothing past the step is written
+        assert torch.equal(past, torch.full_like(past, 7)), f
+    narrow_out = DDTree(*(t[:, :1] if t.dim() > 1 else t for t in
+                          (out.tokens, out.parents, out.depths, out.valid,
+                           out.ancestor_mask, out.num_nodes)))
+    with pytest.raises(ValueError, match="out's fields"):
+        step_trees_triton(*args, out=narrow_out)
 
 
 def test_checks():

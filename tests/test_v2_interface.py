@@ -162,3 +162,39 @@ def test_the_profilers_v2_calls_exist():
         if attr not in owner.__dict__:
             missing.append(f"{module_name}:{class_name}.{attr}")
     assert not missing
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="vLLM's kernel needs CUDA")
+def test_the_walk_counts_as_vllms_get_num_sampled_and_rejected():
+    """runner_v2 takes the step's counts from the walk's launch (verify.walk_rows),
+    which writes vLLM's rule itself: the same numbers as vLLM's own kernel, a request
+    still prefilling its prompt included."""
+    import torch
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+
+    from vllm_ddtree.tree import DDTree
+    from vllm_ddtree.verify import walk_rows
+
+    cuda = {"device": "cuda"}
+    num_reqs, width = 3, 4
+    chain = torch.arange(width, **cuda).expand(num_reqs, width)
+    tree = DDTree(tokens=chain.clone(), parents=(chain - 1).clamp(min=0),
+                  depths=chain.clone(), valid=torch.ones(num_reqs, width, dtype=torch.bool, **cuda),
+                  ancestor_mask=torch.ones(num_reqs, width, width, dtype=torch.bool, **cuda),
+                  num_nodes=torch.full((num_reqs,), width - 1, **cuda))
+    scheduled = torch.full((num_reqs,), width - 1, **cuda)
+    cu = torch.arange(num_reqs + 1, dtype=torch.int32, **cuda) * width
+    # Request 0 accepts 2 drafts, 1 accepts all 3, 2 is still prefilling.
+    row_tokens = torch.tensor([1, 2, 0, 0, 1, 2, 3, 0, 1, 2, 3, 0], **cuda)
+    seq_lens = torch.tensor([30, 40, 8], dtype=torch.int32, **cuda)
+    idx_mapping = torch.tensor([2, 0, 1], **cuda)
+    prefill_len = torch.tensor([10, 20, 5], dtype=torch.int32, **cuda)
+    counts = torch.zeros(2, num_reqs, dtype=torch.int32, **cuda)
+    walk = walk_rows(tree, row_tokens, cu[1:], scheduled, 3, counts[0],
+                     num_rejected_out=counts[1],
+                     chunked_prefill=(seq_lens, idx_mapping, prefill_len))
+    assert walk.num_accepted.tolist()[:2] == [2, 3]
+    vllm_sampled, vllm_rejected = get_num_sampled_and_rejected(
+        (walk.num_accepted + 1).to(torch.int32), seq_lens, cu, idx_mapping, prefill_len)
+    assert counts[0].tolist() == vllm_sampled.tolist() == [3, 4, 0]
+    assert counts[1].tolist() == vllm_rejected.tolist() == [1, 0, 0]

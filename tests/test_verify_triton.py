@@ -199,6 +199,65 @@ def test_walk_over_logits_rows_matches_its_twin(budget: int, depth: int, monkeyp
 
 @pytest.mark.gpu
 @needs_kernel
+@pytest.mark.parametrize("budget,depth", [(3, 3), (16, 7)])
+def test_walk_over_rows_counts_as_vllm_and_writes_into_buffers(budget: int, depth: int,
+                                                               monkeypatch):
+    """The counts V2's runner takes, in the walk's launch: tokens committed (k + 1) and
+    logits rows rejected (rows - committed), both 0 for a request still prefilling its
+    prompt (seq_len below its state's prefill_len: vLLM's get_num_sampled_and_rejected,
+    written out below as the oracle). With ``out`` the walk lands in the leading rows
+    of wider, longer buffers (as laid out for any width), and nothing else of them
+    is written. Kernel and torch twin alike."""
+    gen = torch.Generator().manual_seed(budget + depth)
+    num_reqs, vocab, width = 4, 3, budget + 1
+    lp = make_logprobs("random", num_reqs, depth, vocab, gen).to(DEVICE)
+    tree = build_ddtree(lp, torch.randint(0, vocab, (num_reqs,), generator=gen).to(DEVICE),
+                        budget)
+    scheduled = torch.tensor([budget, 0, budget - 1, budget], device=DEVICE)
+    narrowed = narrow(tree, width, scheduled)
+    target = make_targets(tree, vocab, 0.9, "mixed", gen)
+    cu = (scheduled + 1).cumsum(0)
+    row_tokens = torch.cat([target[r, : int(scheduled[r]) + 1] for r in range(num_reqs)])
+    # Request 2 (state 6) is mid-prompt; the others (states 3, 0, 1) decode.
+    idx_mapping = torch.tensor([3, 0, 6, 1], device=DEVICE)
+    prefill_len = torch.tensor([5, 9, 0, 40, 0, 0, 50, 0], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([60, 12, 41, 33, 99], dtype=torch.int32, device=DEVICE)  # padded
+    walk = walk_tree(narrowed, target, depth, use_triton=False)
+    logits_rows = (scheduled + 1).tolist()
+    want_sampled, want_rejected = [], []
+    for r in range(num_reqs):  # vLLM's rule, in plain Python
+        prefilling = int(seq_lens[r]) < int(prefill_len[int(idx_mapping[r])])
+        committed = 0 if prefilling else int(walk.num_accepted[r]) + 1
+        want_sampled.append(committed)
+        want_rejected.append(0 if prefilling else logits_rows[r] - committed)
+    assert want_sampled[2] == want_rejected[2] == 0 and min(want_sampled[:2]) > 0
+
+    for use_triton in (False, True):
+        out = WalkResult(*(torch.full(shape, -9, dtype=torch.int64, device=DEVICE) for shape in
+                           ((num_reqs + 2, depth + 1), (num_reqs + 2,), (num_reqs + 2,),
+                            (num_reqs + 2, width + 5))))
+        counts = torch.full((2, num_reqs), -7, dtype=torch.int32, device=DEVICE)
+        if use_triton:
+            monkeypatch.setattr(torch, "empty", poisoned_empty(torch.empty))
+        got = walk_rows(narrowed, row_tokens, cu, scheduled, depth, counts[0],
+                        num_rejected_out=counts[1],
+                        chunked_prefill=(seq_lens, idx_mapping, prefill_len), out=out,
+                        use_triton=use_triton)
+        monkeypatch.undo()
+        assert_same_walk(got, walk)
+        assert counts[0].tolist() == want_sampled and counts[1].tolist() == want_rejected
+        assert got.output_tokens.data_ptr() == out.output_tokens.data_ptr()
+        assert got.accepted_nodes.data_ptr() == out.accepted_nodes.data_ptr()
+        assert (out.output_tokens.view(-1)[num_reqs * width :] == -9).all()
+        assert (out.accepted_nodes[num_reqs:] == -9).all() and (out.num_accepted[num_reqs:] == -9).all()
+    with pytest.raises(ValueError, match="come with num_sampled_out"):
+        walk_rows(narrowed, row_tokens, cu, scheduled, depth, num_rejected_out=counts[1])
+    with pytest.raises(ValueError, match="out must hold"):
+        walk_rows(narrowed, row_tokens, cu, scheduled, depth + 1, out=out)
+
+
+@pytest.mark.gpu
+@needs_kernel
 def test_rejects_bad_inputs():
     gen = torch.Generator().manual_seed(4)
     roots = torch.zeros(2, dtype=torch.int64, device=DEVICE)

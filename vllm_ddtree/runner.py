@@ -295,6 +295,15 @@ def compact_accepted(
     restore_chain_positions(positions, row_start, step.num_scheduled, width)
 
 
+def compaction_slot_mappings(runner: Any, slot_mappings: Any) -> list[torch.Tensor]:
+    """The slot mapping of each KV group that compact_accepted moves: with the state
+    tensors, token ids and positions, every tensor of the step it touches that is
+    not the runner's own (runner_v2 replays it over these addresses)."""
+    return [slot_mapping for group in _kv_groups(runner)
+            if (slot_mapping := _layer_slot_mapping(slot_mappings,
+                                                    group.layer_names[0])) is not None]
+
+
 def _log_compaction(state: Any, how: str, num_fused: int,
                     states: list[torch.Tensor]) -> None:
     if how != state.compaction:

@@ -27,14 +27,14 @@ own rejection sampler, as chains.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
+from vllm.config.compilation import CUDAGraphMode
 from vllm.config.model import PROCESSED_LOGPROBS_MODES
 from vllm.logger import init_logger
-from vllm.v1.worker.gpu import input_batch as v2_input_batch
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
 from vllm.v1.worker.gpu.sample.logit_bias import LogitBiasState
@@ -52,19 +52,98 @@ from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.runner import (
     KVGroup,
     compact_accepted,
+    compaction_slot_mappings,
     log_graph_coverage,
     step_attention_info,
 )
 from vllm_ddtree.sampler import TreeVerifyStep
-from vllm_ddtree.step_tree_triton import step_trees_triton
+from vllm_ddtree.step_graphs import StepGraphs
+from vllm_ddtree.step_tree_triton import step_trees_triton, tree_outputs
 from vllm_ddtree.sync import step_phase, to_device
-from vllm_ddtree.verify import step_rows, walk_rows
+from vllm_ddtree.tree import DDTree
+from vllm_ddtree.verify import WalkResult, step_rows, walk_buffers, walk_rows
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.input_batch import InputBatch
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
+
+
+@dataclass(frozen=True)
+class StepViews:
+    """The leading rows of the step buffers that a step of one size uses."""
+
+    tree: DDTree  # [num_reqs, width] per field, row-major
+    num_scheduled: torch.Tensor  # [num_reqs] int64
+    idx_mapping: torch.Tensor  # [num_reqs] int64
+    cu_num_logits: torch.Tensor  # [num_reqs + 1] int32
+    walk: WalkResult  # [num_reqs, ...]
+    num_sampled: torch.Tensor  # [num_reqs] int32
+    num_rejected: torch.Tensor  # [num_reqs] int32
+
+
+@dataclass
+class StepBuffers:
+    """Where a verify step's launches read and write, allocated once: the launches
+    replay as CUDA graphs over fixed addresses (step_graphs.py)."""
+
+    trees: DDTree  # [max_num_reqs, budget + 1] per field: the trees the step verifies
+    num_scheduled: torch.Tensor  # [max_num_reqs] int64, drafts sent per request
+    idx_mapping: torch.Tensor  # [max_num_reqs] int64, a copy of the batch's state indices
+    cu_num_logits: torch.Tensor  # [max_num_reqs + 1] int32, a copy of the batch's
+    row_tokens: torch.Tensor  # [max_num_tokens] int64, a copy of the target's tokens
+    walk: WalkResult  # [max_num_reqs, ...] the walk's outputs
+    num_sampled: torch.Tensor  # [max_num_reqs] int32, tokens committed per request
+    num_rejected: torch.Tensor  # [max_num_reqs] int32, logits rows not committed
+    max_depth: int
+    _views: dict[tuple[int, int], StepViews] = field(default_factory=dict)
+
+    def views(self, num_reqs: int, width: int) -> StepViews:
+        """Made once per (num_reqs, width): slicing ten tensors each step costs the
+        host more than the launches the graphs save."""
+        views = self._views.get((num_reqs, width))
+        if views is None:
+            device = self.num_scheduled.device
+            views = self._views[(num_reqs, width)] = StepViews(
+                tree=DDTree(*tree_outputs(num_reqs, width, device, self.trees)),
+                num_scheduled=self.num_scheduled[:num_reqs],
+                idx_mapping=self.idx_mapping[:num_reqs],
+                cu_num_logits=self.cu_num_logits[: num_reqs + 1],
+                walk=walk_buffers(num_reqs, width, self.max_depth, device, self.walk),
+                num_sampled=self.num_sampled[:num_reqs],
+                num_rejected=self.num_rejected[:num_reqs],
+            )
+        return views
+
+    @classmethod
+    def allocate(cls, ddtree: DDTreeConfig, max_num_reqs: int, max_num_tokens: int,
+                 device: torch.device) -> StepBuffers:
+        width, i64 = ddtree.verify_width, {"dtype": torch.int64, "device": device}
+        return cls(
+            trees=DDTree(
+                tokens=torch.zeros(max_num_reqs, width, **i64),
+                parents=torch.zeros(max_num_reqs, width, **i64),
+                depths=torch.zeros(max_num_reqs, width, **i64),
+                valid=torch.zeros(max_num_reqs, width, dtype=torch.bool, device=device),
+                ancestor_mask=torch.zeros(max_num_reqs, width, width, dtype=torch.bool,
+                                          device=device),
+                num_nodes=torch.zeros(max_num_reqs, **i64),
+            ),
+            num_scheduled=torch.zeros(max_num_reqs, **i64),
+            idx_mapping=torch.zeros(max_num_reqs, **i64),
+            cu_num_logits=torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device),
+            row_tokens=torch.zeros(max_num_tokens, **i64),
+            walk=WalkResult(
+                accepted_nodes=torch.zeros(max_num_reqs, ddtree.max_depth + 1, **i64),
+                num_accepted=torch.zeros(max_num_reqs, **i64),
+                bonus_tokens=torch.zeros(max_num_reqs, **i64),
+                output_tokens=torch.zeros(max_num_reqs, width, **i64),
+            ),
+            num_sampled=torch.zeros(max_num_reqs, dtype=torch.int32, device=device),
+            num_rejected=torch.zeros(max_num_reqs, dtype=torch.int32, device=device),
+            max_depth=ddtree.max_depth,
+        )
 
 
 @dataclass
@@ -77,6 +156,10 @@ class DDTreeV2State:
     mask_buffer: torch.Tensor
     # Each request's root row, [max_num_reqs] int64, written at every verify step.
     row_start_buffer: torch.Tensor
+    buffers: StepBuffers
+    # The step's launches before the target (the trees) and after it (walk, compaction).
+    graphs_before: StepGraphs
+    graphs_after: StepGraphs
     step: TreeVerifyStep | None = None
     attn_info: TreeAttentionInfo | None = None
     # The step goes to vLLM's rejection sampler as chains (structured outputs).
@@ -88,6 +171,20 @@ class DDTreeV2State:
     compaction: str = ""  # how the last compaction ran, logged when it changes
     # The step kernels take the V2 runner's inputs (the warm-up compiles those variants).
     v2_inputs: ClassVar[bool] = True
+
+    @classmethod
+    def create(cls, ddtree: DDTreeConfig, max_num_reqs: int, max_num_tokens: int,
+               device: torch.device, graphs: bool = True) -> DDTreeV2State:
+        """With ``graphs`` (an engine that uses CUDA graphs) the step's own launches
+        replay as graphs too (step_graphs.py)."""
+        return cls(
+            ddtree=ddtree,
+            mask_buffer=mask_buffer(max_num_reqs, ddtree.verify_width, device),
+            row_start_buffer=torch.zeros(max_num_reqs, dtype=torch.int64, device=device),
+            buffers=StepBuffers.allocate(ddtree, max_num_reqs, max_num_tokens, device),
+            graphs_before=StepGraphs(device, "tree layout", graphs),
+            graphs_after=StepGraphs(device, "walk and compaction", graphs),
+        )
 
 
 def install(runner: GPUModelRunner) -> None:
@@ -120,12 +217,10 @@ def install(runner: GPUModelRunner) -> None:
             "vllm_ddtree's init_speculator patch is not in place"
         )
     register_backends(runner.device)
-    runner.ddtree_state = DDTreeV2State(
-        ddtree=ddtree,
-        mask_buffer=mask_buffer(runner.max_num_reqs, ddtree.verify_width, runner.device),
-        row_start_buffer=torch.zeros(runner.max_num_reqs, dtype=torch.int64,
-                                     device=runner.device),
-    )
+    graphs = (not runner.model_config.enforce_eager
+              and runner.compilation_config.cudagraph_mode != CUDAGraphMode.NONE)
+    runner.ddtree_state = DDTreeV2State.create(ddtree, runner.max_num_reqs,
+                                               runner.max_num_tokens, runner.device, graphs)
     logger.info("DDTree on the V2 model runner: verify width %d, drafter width %d.",
                 ddtree.verify_width, ddtree.drafter_width)
     log_graph_coverage(runner.vllm_config, ddtree)
@@ -183,27 +278,39 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
     state.chain_only = bool(input_batch.has_structured_output_reqs)
     allowed = np.zeros(num_reqs, dtype=bool) if state.chain_only else \
         tree_allowed(runner.sampler, input_batch.idx_mapping_np[:num_reqs])
+    # vLLM makes these two anew each step; the step's launches read copies that stay put.
+    buffers = state.buffers.views(num_reqs, width)
+    idx_mapping, cu_num_logits = buffers.idx_mapping, buffers.cu_num_logits
+    idx_mapping.copy_(input_batch.idx_mapping[:num_reqs], non_blocking=True)
+    cu_num_logits.copy_(input_batch.cu_num_logits[: num_reqs + 1], non_blocking=True)
     speculator = runner.speculator
     trees = index = state_rows = None
     if allowed.all():  # the launch maps each request's state to its tree row
-        trees, index, state_rows = (speculator.trees, input_batch.idx_mapping[:num_reqs],
-                                    speculator.tree_row_of_state)
+        trees, index, state_rows = speculator.trees, idx_mapping, speculator.tree_row_of_state
     elif allowed.any():
-        rows = speculator.tree_row_of_state[input_batch.idx_mapping[:num_reqs]]
+        rows = speculator.tree_row_of_state[idx_mapping]
         mask = to_device(torch.from_numpy(allowed), runner.device)
         trees, index = speculator.trees, torch.where(mask, rows, -1)
     # Drafts per request come from the logits rows (one per draft, plus the bonus).
-    num_scheduled = torch.empty(num_reqs, dtype=torch.int64, device=runner.device)
+    num_scheduled, tree = buffers.num_scheduled, buffers.tree
     row_start = state.row_start_buffer[:num_reqs]
-    # Node i of a request sits at start + depth_i (its KV slot stays start + i); the
-    # masks are packed straight into the buffer the tree kernel reads.
-    tree = step_trees_triton(
-        trees, index, input_batch.input_ids, input_batch.query_start_loc[1 : num_reqs + 1],
-        num_scheduled, width, packed_out=state.mask_buffer,
-        positions=input_batch.positions, query_start_loc=input_batch.query_start_loc,
-        row_start_out=row_start, state_rows=state_rows,
-        cu_num_logits=input_batch.cu_num_logits,
-    )
+    input_ids, query_start_loc = input_batch.input_ids, input_batch.query_start_loc
+
+    def launch() -> None:
+        # Node i of a request sits at start + depth_i (its KV slot stays start + i); the
+        # masks are packed straight into the buffer the tree kernel reads.
+        step_trees_triton(
+            trees, index, input_ids, query_start_loc[1 : num_reqs + 1], num_scheduled,
+            width, packed_out=state.mask_buffer, positions=input_batch.positions,
+            query_start_loc=query_start_loc, row_start_out=row_start, state_rows=state_rows,
+            cu_num_logits=cu_num_logits, out=state.buffers.trees,
+        )
+
+    if index is None or state_rows is not None:  # every input stays put: a graph replays
+        state.graphs_before.run((num_reqs, width, index is None, input_ids.shape[0]),
+                                (input_ids, query_start_loc, input_batch.positions), launch)
+    else:  # the tree index of a mixed batch is made here, anew each step
+        launch()
     state.step = TreeVerifyStep(tree=tree, num_scheduled=num_scheduled, row_start=row_start,
                                 max_depth=state.ddtree.max_depth)
     state.attn_info = step_attention_info(tree, query_start, num_draft, state.mask_buffer)
@@ -261,16 +368,9 @@ class DDTreeV2Sampler:
             input_batch.seq_lens_cpu_upper_bound.numpy(),
             return_logprobs=logprobs_dims is not None,
         )
-        with step_phase("ddtree.sample_walk", logits.device):
-            sampled, num_sampled, num_rejected = self._walk(row_tokens, input_batch, step)
-        exec_state = state.exec_state
-        if exec_state is not None:
-            with step_phase("ddtree.compact", logits.device):
-                compact_accepted(
-                    self.runner, state, step, exec_state.slot_mappings_by_layer,
-                    [exec_state.hidden_states, *(exec_state.aux_hidden_states or [])],
-                    input_batch.input_ids, input_batch.positions,
-                )
+        with step_phase("ddtree.walk_compact", logits.device):
+            sampled, num_sampled, num_rejected = self._walk_and_compact(
+                row_tokens, input_batch, step)
         logprobs_tensors = None
         if logprobs_dims is not None:
             source = processed if sampler.logprobs_mode in PROCESSED_LOGPROBS_MODES else logits
@@ -290,20 +390,42 @@ class DDTreeV2Sampler:
             num_rejected=num_rejected,
         )
 
-    def _walk(self, row_tokens: torch.Tensor, input_batch: InputBatch, step: TreeVerifyStep):
-        """The walk over every request's tree: (the output in chain format, tokens
-        sampled and drafts rejected per request)."""
-        num_reqs = input_batch.num_reqs
-        num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=row_tokens.device)
-        walk = walk_rows(step.tree, row_tokens.view(-1),
-                         input_batch.cu_num_logits[1 : num_reqs + 1], step.num_scheduled,
-                         step.max_depth, num_sampled)
-        step.walk = walk
-        num_sampled, num_rejected = v2_input_batch.get_num_sampled_and_rejected(
-            num_sampled, input_batch.seq_lens, input_batch.cu_num_logits,
-            input_batch.idx_mapping, self.sampler.req_states.prefill_len.gpu,
-        )
-        return walk.output_tokens, num_sampled, num_rejected
+    def _walk_and_compact(self, row_tokens: torch.Tensor, input_batch: InputBatch,
+                          step: TreeVerifyStep):
+        """The walk over every request's tree, then the compaction of the accepted
+        paths, as one graph replay once the shape has been met: (the output in chain
+        format, tokens sampled and drafts rejected per request)."""
+        state: DDTreeV2State = self.runner.ddtree_state
+        num_reqs, width = input_batch.num_reqs, step.tree.tokens.shape[1]
+        buffers = state.buffers.views(num_reqs, width)
+        tokens = state.buffers.row_tokens[: row_tokens.numel()]
+        tokens.copy_(row_tokens.view(-1), non_blocking=True)
+        num_sampled, num_rejected = buffers.num_sampled, buffers.num_rejected
+        step.walk = buffers.walk
+        # vLLM's rule for requests still prefilling their prompt (they commit nothing).
+        chunked_prefill = (input_batch.seq_lens, buffers.idx_mapping,
+                           self.sampler.req_states.prefill_len.gpu)
+        exec_state = state.exec_state
+        touched = [input_batch.seq_lens]
+        if exec_state is not None:
+            states = [exec_state.hidden_states, *(exec_state.aux_hidden_states or [])]
+            slot_mappings = exec_state.slot_mappings_by_layer
+            touched += [*states, input_batch.input_ids, input_batch.positions,
+                        *compaction_slot_mappings(self.runner, slot_mappings)]
+
+        def launch() -> None:
+            walk_rows(step.tree, tokens, buffers.cu_num_logits[1:], step.num_scheduled,
+                      step.max_depth, num_sampled, num_rejected_out=num_rejected,
+                      chunked_prefill=chunked_prefill, out=state.buffers.walk)
+            if exec_state is not None:  # the accepted paths as chains, for vLLM and the drafter
+                compact_accepted(self.runner, state, step, slot_mappings, states,
+                                 input_batch.input_ids, input_batch.positions)
+
+        key = (num_reqs, width, tokens.shape[0], exec_state is not None, len(touched))
+        state.graphs_after.run(key, touched, launch)
+        # vLLM copies these to the host on another stream: copies of their own, which
+        # the next step's replay does not overwrite.
+        return step.walk.output_tokens.clone(), num_sampled.clone(), num_rejected.clone()
 
 
 def _path_rows(rows: torch.Tensor, walk, sampled: torch.Tensor, input_batch: InputBatch):

@@ -31,7 +31,7 @@ import triton.language as tl
 from vllm_ddtree.tree import DDTree
 from vllm_ddtree.triton_device import require_triton_device
 
-__all__ = ["step_trees_triton"]
+__all__ = ["step_trees_triton", "tree_outputs"]
 
 
 def step_trees_triton(
@@ -48,6 +48,7 @@ def step_trees_triton(
     *,
     state_rows: torch.Tensor | None = None,  # [num_states] int64: tree row of each state
     cu_num_logits: torch.Tensor | None = None,  # [num_reqs + 1] logits rows per request
+    out: DDTree | None = None,  # [>= num_reqs, >= width] per field: buffers to write into
 ) -> DDTree:
     """The tree each request verifies this step (Triton twin of sampler.step_trees),
     its ancestor masks also packed into ``packed_out`` when given (as
@@ -62,7 +63,9 @@ def step_trees_triton(
     ``state_rows``, ``index`` holds each request's state index and its tree row is
     ``state_rows[index[r]]`` (the torch path's ``index``); with ``cu_num_logits``
     (one logits row per draft plus the bonus), ``num_scheduled`` is an output, each
-    request's ``rows - 1`` drafts."""
+    request's ``rows - 1`` drafts. With ``out`` the trees land in its buffers (rows
+    of ``width``, row-major, at their start), so that a CUDA graph can replay the
+    launch over fixed addresses (runner_v2)."""
     num_reqs = num_scheduled.shape[0]
     device = num_scheduled.device
     if cu_num_logits is not None and (
@@ -97,12 +100,7 @@ def step_trees_triton(
             "positions need query_start_loc [>= num_reqs + 1] and row_start_out "
             f"[>= num_reqs] int64; num_reqs is {num_reqs}"
         )
-    tokens = torch.empty(num_reqs, width, dtype=torch.int64, device=device)
-    parents = torch.empty_like(tokens)
-    depths = torch.empty_like(tokens)
-    valid = torch.empty(num_reqs, width, dtype=torch.bool, device=device)
-    mask = torch.empty(num_reqs, width, width, dtype=torch.bool, device=device)
-    num_nodes = torch.empty(num_reqs, dtype=torch.int64, device=device)
+    tokens, parents, depths, valid, mask, num_nodes = tree_outputs(num_reqs, width, device, out)
     if num_reqs == 0:
         return DDTree(tokens, parents, depths, valid, mask, num_nodes)
     has_drafted = drafted is not None and index is not None
@@ -142,6 +140,30 @@ def step_trees_triton(
         WORDS=words if packed_out is not None else 0,
     )
     return DDTree(tokens, parents, depths, valid, mask, num_nodes)
+
+
+def tree_outputs(num_reqs: int, width: int, device: torch.device, out: DDTree | None
+                 ) -> tuple[torch.Tensor, ...]:
+    """The step's tree fields: new tensors, or row-major views at the start of
+    ``out``'s (contiguous, wide and long enough, of the fields' dtypes)."""
+    shapes = ((width,),) * 4 + ((width, width), ())
+    dtypes = (torch.int64,) * 3 + (torch.bool, torch.bool, torch.int64)
+    if out is None:
+        return tuple(torch.empty(num_reqs, *shape, dtype=dtype, device=device)
+                     for shape, dtype in zip(shapes, dtypes))
+    fields = (out.tokens, out.parents, out.depths, out.valid, out.ancestor_mask, out.num_nodes)
+    views = []
+    for field, shape, dtype in zip(fields, shapes, dtypes):
+        size = num_reqs * max(1, width ** len(shape))
+        if field.dtype != dtype or not field.is_contiguous() or field.numel() < size or (
+            shape and field.shape[1] < width
+        ):
+            raise ValueError(
+                f"out's fields must be contiguous, {dtypes} and hold {num_reqs} requests "
+                f"of width {width}; got {field.dtype} {tuple(field.shape)}"
+            )
+        views.append(field.view(-1)[:size].view(num_reqs, *shape))
+    return tuple(views)
 
 
 def _check_inputs(

@@ -81,25 +81,106 @@ def walk_rows(
     max_depth: int,
     num_sampled_out: torch.Tensor | None = None,  # [num_reqs] int32 (out): tokens committed
     *,
+    num_rejected_out: torch.Tensor | None = None,  # [num_reqs] int32 (out), with num_sampled_out
+    # (seq_lens [num_reqs], idx_mapping [num_reqs], prefill_len [num_states]): vLLM V2's
+    # rule for a request still prefilling its prompt, which commits nothing.
+    chunked_prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out: WalkResult | None = None,  # [>= num_reqs, ...] buffers to write the walk into
     use_triton: bool | None = None,  # None: the Triton kernel on CUDA, else torch
 ) -> WalkResult:
     """walk_tree over a step's flat logits rows (each request's rows end at
     ``cu_num_sampled``, node i at the i-th of its last ``num_scheduled + 1``), and
     into ``num_sampled_out`` the tokens each request commits (accepted drafts plus
-    the bonus). On CUDA one launch (verify_triton.walk_rows_triton); this is its
-    torch twin."""
+    the bonus) and into ``num_rejected_out`` its logits rows less those; a request
+    whose ``seq_len`` is below its ``prefill_len`` commits and rejects nothing
+    (vLLM V2's ``get_num_sampled_and_rejected``). With ``out`` the walk lands in
+    those buffers' leading rows (a CUDA graph replays over fixed addresses). On
+    CUDA one launch (verify_triton.walk_rows_triton); this is its torch twin."""
     if use_triton is None:
         use_triton = tree.tokens.is_cuda
     if use_triton:
         from vllm_ddtree.verify_triton import walk_rows_triton
 
         return walk_rows_triton(tree, row_tokens, cu_num_sampled, num_scheduled, max_depth,
-                                num_sampled_out)
-    rows = step_rows(cu_num_sampled, num_scheduled, tree.tokens.shape[1])
+                                num_sampled_out, num_rejected_out=num_rejected_out,
+                                chunked_prefill=chunked_prefill, out=out)
+    num_reqs, n = tree.tokens.shape
+    check_counts_args(num_reqs, num_sampled_out, num_rejected_out, chunked_prefill)
+    rows = step_rows(cu_num_sampled, num_scheduled, n)
     walk = walk_tree(tree, row_tokens[rows], max_depth, use_triton=False)
+    if out is not None:
+        written = walk_buffers(num_reqs, n, max_depth, tree.tokens.device, out)
+        for name in ("accepted_nodes", "num_accepted", "bonus_tokens", "output_tokens"):
+            getattr(written, name).copy_(getattr(walk, name))
+        walk = written
     if num_sampled_out is not None:
-        num_sampled_out.copy_(walk.num_accepted + 1)
+        committed = walk.num_accepted + 1
+        prefilling = torch.zeros_like(committed, dtype=torch.bool)
+        if chunked_prefill is not None:
+            seq_lens, idx_mapping, prefill_len = chunked_prefill
+            prefilling = seq_lens[:num_reqs] < prefill_len[idx_mapping[:num_reqs]]
+        committed = torch.where(prefilling, 0, committed)
+        num_sampled_out.copy_(committed)
+        if num_rejected_out is not None:
+            num_rejected_out.copy_(torch.where(prefilling, 0, num_scheduled + 1 - committed))
     return walk
+
+
+def walk_buffers(num_reqs: int, n: int, max_depth: int, device: torch.device,
+                 out: WalkResult | None = None) -> WalkResult:
+    """Where a walk of ``num_reqs`` trees of ``n`` nodes is written: the leading rows
+    of ``out`` (checked), or new tensors."""
+    if out is None:
+        return WalkResult(
+            accepted_nodes=torch.empty(num_reqs, max_depth + 1, dtype=torch.int64,
+                                       device=device),
+            num_accepted=torch.empty(num_reqs, dtype=torch.int64, device=device),
+            bonus_tokens=torch.empty(num_reqs, dtype=torch.int64, device=device),
+            output_tokens=torch.empty(num_reqs, n, dtype=torch.int64, device=device),
+        )
+    fits = (
+        out.accepted_nodes.shape[0] >= num_reqs and out.accepted_nodes.shape[1] == max_depth + 1
+        and out.output_tokens.shape[0] >= num_reqs and out.output_tokens.shape[1] >= n
+        and out.num_accepted.shape[0] >= num_reqs and out.bonus_tokens.shape[0] >= num_reqs
+        and out.accepted_nodes.is_contiguous() and out.output_tokens.is_contiguous()
+        and all(t.dtype == torch.int64 for t in (out.accepted_nodes, out.num_accepted,
+                                                   out.bonus_tokens, out.output_tokens))
+    )
+    if not fits:
+        raise ValueError(
+            f"out must hold int64 walks of >= {num_reqs} requests, max depth {max_depth} "
+            f"and >= {n} nodes, got accepted_nodes {tuple(out.accepted_nodes.shape)} and "
+            f"output_tokens {tuple(out.output_tokens.shape)}"
+        )
+    return WalkResult(
+        accepted_nodes=out.accepted_nodes[:num_reqs],
+        num_accepted=out.num_accepted[:num_reqs],
+        bonus_tokens=out.bonus_tokens[:num_reqs],
+        # Rows of n, row-major, whatever the buffer's width: the kernel's layout.
+        output_tokens=out.output_tokens.view(-1)[: num_reqs * n].view(num_reqs, n),
+    )
+
+
+def check_counts_args(
+    num_reqs: int,
+    num_sampled_out: torch.Tensor | None,
+    num_rejected_out: torch.Tensor | None,
+    chunked_prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """The count outputs of walk_rows and its Triton twin: int32 [num_reqs]; the
+    rejected count and the prefill rule come with the committed count."""
+    for name, t in (("num_sampled_out", num_sampled_out), ("num_rejected_out", num_rejected_out)):
+        if t is not None and (t.shape != (num_reqs,) or t.dtype != torch.int32):
+            raise ValueError(f"{name} must be int32 [{num_reqs}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if num_sampled_out is None and (num_rejected_out is not None or chunked_prefill is not None):
+        raise ValueError("num_rejected_out and chunked_prefill come with num_sampled_out")
+    if chunked_prefill is not None and (
+        len(chunked_prefill) != 3 or chunked_prefill[0].shape[0] < num_reqs
+        or chunked_prefill[1].shape[0] < num_reqs
+    ):
+        raise ValueError("chunked_prefill is (seq_lens, idx_mapping, prefill_len), the "
+                         f"first two over >= {num_reqs} requests")
 
 
 def step_rows(

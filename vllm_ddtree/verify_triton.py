@@ -25,7 +25,13 @@ import triton.language as tl
 
 from vllm_ddtree.tree import DDTree
 from vllm_ddtree.triton_device import require_triton_device
-from vllm_ddtree.verify import WalkResult, check_max_depth, check_walk_args
+from vllm_ddtree.verify import (
+    WalkResult,
+    check_counts_args,
+    check_max_depth,
+    check_walk_args,
+    walk_buffers,
+)
 
 __all__ = ["walk_rows_triton", "walk_tree_triton"]
 
@@ -47,9 +53,15 @@ def walk_rows_triton(
     num_scheduled: torch.Tensor,  # [num_reqs] int64, drafts sent per request
     max_depth: int,
     num_sampled_out: torch.Tensor | None = None,  # [num_reqs] int32 (out): tokens committed
+    *,
+    num_rejected_out: torch.Tensor | None = None,  # [num_reqs] int32 (out), with num_sampled_out
+    chunked_prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out: WalkResult | None = None,  # [>= num_reqs, ...] buffers to write the walk into
 ) -> WalkResult:
     """verify.walk_rows in one launch: the walk reads each node's target token from
-    its logits row itself (no ``step_rows`` index, no gather)."""
+    its logits row itself (no ``step_rows`` index, no gather); with
+    ``num_rejected_out`` and ``chunked_prefill`` also what vLLM's
+    ``get_num_sampled_and_rejected`` makes of the counts (verify.walk_rows says how)."""
     num_reqs = tree.tokens.shape[0]
     check_max_depth(max_depth)
     _check_tree(tree)
@@ -61,12 +73,10 @@ def walk_rows_triton(
             f"cu_num_sampled and num_scheduled must be [num_reqs] = [{num_reqs}], got "
             f"{tuple(cu_num_sampled.shape)} and {tuple(num_scheduled.shape)}"
         )
-    if num_sampled_out is not None and (num_sampled_out.shape != (num_reqs,)
-                                        or num_sampled_out.dtype != torch.int32):
-        raise ValueError(f"num_sampled_out must be int32 [{num_reqs}], got "
-                         f"{num_sampled_out.dtype} {tuple(num_sampled_out.shape)}")
+    check_counts_args(num_reqs, num_sampled_out, num_rejected_out, chunked_prefill)
     return _launch_walk(tree, row_tokens, max_depth, rows=(cu_num_sampled, num_scheduled),
-                        num_sampled_out=num_sampled_out)
+                        num_sampled_out=num_sampled_out, num_rejected_out=num_rejected_out,
+                        chunked_prefill=chunked_prefill, out=out)
 
 
 def _launch_walk(
@@ -75,19 +85,23 @@ def _launch_walk(
     max_depth: int,
     rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cu_num_sampled, num_scheduled)
     num_sampled_out: torch.Tensor | None = None,
+    num_rejected_out: torch.Tensor | None = None,
+    chunked_prefill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out: WalkResult | None = None,
 ) -> WalkResult:
     num_reqs, n = tree.tokens.shape
     device = tree.tokens.device
-    accepted_nodes = torch.empty(num_reqs, max_depth + 1, dtype=torch.int64, device=device)
-    num_accepted = torch.empty(num_reqs, dtype=torch.int64, device=device)
-    bonus_tokens = torch.empty(num_reqs, dtype=torch.int64, device=device)
-    output_tokens = torch.empty(num_reqs, n, dtype=torch.int64, device=device)
+    walk = walk_buffers(num_reqs, n, max_depth, device, out)
+    accepted_nodes, num_accepted = walk.accepted_nodes, walk.num_accepted
+    bonus_tokens, output_tokens = walk.bonus_tokens, walk.output_tokens
     if num_reqs > 0:
         # The sampler passes column slices of the stored trees ([:, :width]); row strides
         # read them in place instead of copying (a copy is a launch per tensor).
         tokens, parents = _unit_columns(tree.tokens), _unit_columns(tree.parents)
         valid = _unit_columns(tree.valid).view(torch.uint8)
         cu_rows, scheduled = rows if rows is not None else (num_accepted, num_accepted)
+        # Pointers of absent inputs are never read (their flags are off): any tensor.
+        seq_lens, idx_mapping, prefill_len = chunked_prefill or (num_accepted,) * 3
         block = triton.next_power_of_2(n)
         walk_tree_kernel[(num_reqs,)](
             accepted_nodes,
@@ -95,6 +109,10 @@ def _launch_walk(
             bonus_tokens,
             output_tokens,
             num_sampled_out if num_sampled_out is not None else num_accepted,
+            num_rejected_out if num_rejected_out is not None else num_accepted,
+            seq_lens,
+            idx_mapping,
+            prefill_len,
             tokens,
             parents,
             valid,
@@ -111,14 +129,11 @@ def _launch_walk(
             PATH_BLOCK=triton.next_power_of_2(max_depth + 1),
             FROM_ROWS=rows is not None,
             NUM_SAMPLED=num_sampled_out is not None,
+            NUM_REJECTED=num_rejected_out is not None,
+            CHUNKED_PREFILL=chunked_prefill is not None,
             num_warps=1 if block <= 128 else (2 if block <= 256 else 4),
         )
-    return WalkResult(
-        accepted_nodes=accepted_nodes,
-        num_accepted=num_accepted,
-        bonus_tokens=bonus_tokens,
-        output_tokens=output_tokens,
-    )
+    return walk
 
 
 def _unit_columns(t: torch.Tensor) -> torch.Tensor:
@@ -159,6 +174,10 @@ def walk_tree_kernel(
     bonus_ptr,  # [num_reqs] int64
     output_ptr,  # [num_reqs, n] int64
     num_sampled_ptr,  # [num_reqs] int32 (out, NUM_SAMPLED): accepted drafts + the bonus
+    num_rejected_ptr,  # [num_reqs] int32 (out, NUM_REJECTED): logits rows - num_sampled
+    seq_lens_ptr,  # [num_reqs] (CHUNKED_PREFILL) sequence length after the step
+    idx_mapping_ptr,  # [num_reqs] (CHUNKED_PREFILL) request state index
+    prefill_len_ptr,  # [num_states] (CHUNKED_PREFILL) prompt tokens to prefill
     tokens_ptr,  # [num_reqs, n] int64, row stride tokens_stride
     parents_ptr,  # [num_reqs, n] int64, row stride parents_stride
     valid_ptr,  # [num_reqs, n] uint8 (bool), row stride valid_stride
@@ -175,6 +194,8 @@ def walk_tree_kernel(
     PATH_BLOCK: tl.constexpr,  # power of 2 >= MAX_DEPTH + 1: one lane per path depth
     FROM_ROWS: tl.constexpr,  # node i reads row end - scheduled - 1 + min(i, scheduled)
     NUM_SAMPLED: tl.constexpr,
+    NUM_REJECTED: tl.constexpr,  # with NUM_SAMPLED and FROM_ROWS
+    CHUNKED_PREFILL: tl.constexpr,  # a request still prefilling commits nothing
 ):
     req = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, BLOCK)
@@ -215,4 +236,14 @@ def walk_tree_kernel(
     tl.store(num_accepted_ptr + req, k.to(tl.int64))
     tl.store(bonus_ptr + req, bonus)
     if NUM_SAMPLED:
-        tl.store(num_sampled_ptr + req, k + 1)
+        committed = k + 1
+        if CHUNKED_PREFILL:
+            state = tl.load(idx_mapping_ptr + req)
+            prefilling = tl.load(seq_lens_ptr + req) < tl.load(prefill_len_ptr + state)
+            committed = tl.where(prefilling, 0, committed)
+        tl.store(num_sampled_ptr + req, committed)
+        if NUM_REJECTED:  # one logits row per draft plus the bonus, none while prefilling
+            rejected = (scheduled + 1 - committed).to(tl.int32)
+            if CHUNKED_PREFILL:
+                rejected = tl.where(prefilling, 0, rejected)
+            tl.store(num_rejected_ptr + req, rejected)

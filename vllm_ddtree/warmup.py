@@ -115,10 +115,17 @@ def warm_up_step_kernels(
                                  row_start_out=row_start, **v2)
 
         # Walk: target tokens that no node carries, so only the root is accepted.
-        if v2_inputs:
+        if v2_inputs:  # with the counts vLLM's V2 runner takes, as DDTreeV2Sampler asks
+            # (seq_lens and prefill_len int32, the state index int64, as there; each
+            # tensor of its own, aligned as the runner's are: Triton specializes on it).
+            i32 = {"dtype": torch.int32, "device": device}
+            num_sampled, num_rejected = torch.empty(1, **i32), torch.empty(1, **i32)
+            seq_lens, prefill_len = torch.full((1,), width, **i32), torch.zeros(1, **i32)
             walk = walk_rows_triton(step, torch.full((width,), -1, **i64), query_start[1:],
-                                    num_scheduled, ddtree.max_depth,
-                                    torch.empty(1, dtype=torch.int32, device=device))
+                                    num_scheduled, ddtree.max_depth, num_sampled,
+                                    num_rejected_out=num_rejected,
+                                    chunked_prefill=(seq_lens, torch.zeros(1, **i64),
+                                                     prefill_len))
         else:
             walk = walk_tree_triton(step, torch.full((1, width), -1, **i64), ddtree.max_depth)
         accepted = walk.accepted_nodes

@@ -1,0 +1,116 @@
+"""A verify step's own launches, replayed as CUDA graphs.
+
+At batch 1 the DDTree step is bound by the host: each Triton launch costs the
+host tens of microseconds of argument binding (``benchmarks/results/
+gpu_profile_20261202_6506348_real.json``: Triton's ``run`` was a third of the
+profiled host time), while the GPU runs the kernel in a few. The runner's two
+groups of launches — laying out the step's trees before the target runs, and
+walking them and compacting the accepted path after — read and write only
+buffers that stay put from step to step (the runner's own, vLLM's persistent
+input buffers, the KV caches), so each group is captured once per shape and
+replayed as one graph launch afterwards.
+
+A caller names every tensor its launches touch that is not the runner's own
+(their addresses must be the captured ones for a replay to be right) and a key
+for everything else the launches depend on (batch size, widths, flags). The
+first time a signature is met the launches run eagerly (kernels compile, caches
+fill); the second time they are captured and replayed; from then on each call
+is one replay. The launches must not allocate what outlives them: they write
+into buffers allocated beforehand. Off CUDA, in an engine without CUDA graphs
+(``enforce_eager``), during another capture, past ``MAX_GRAPHS`` signatures, or
+when a capture fails, the launches run eagerly: the outputs are the same either
+way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
+
+__all__ = ["MAX_GRAPHS", "StepGraphs"]
+
+# Signatures per StepGraphs: one per batch size and width in steady decoding, a few
+# more where vLLM's buffers are sliced differently. Graphs hold no memory of their
+# own (nothing is allocated inside a capture), so the cap only bounds the tables.
+MAX_GRAPHS = 1024
+
+
+class StepGraphs:
+    """CUDA graphs of a fixed sequence of launches, one per signature (a key plus
+    the address and shape of each named tensor), captured at the second use."""
+
+    def __init__(self, device: torch.device, name: str, enabled: bool = True):
+        self.device, self.name = torch.device(device), name
+        # Off CUDA, or where the engine runs without CUDA graphs (enforce_eager):
+        # every call runs the launches.
+        self.enabled = enabled and self.device.type == "cuda"
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._seen: set[tuple] = set()  # met once: run eagerly, capture next time
+        self._eager: set[tuple] = set()  # their capture failed: always eager
+        self._stream: torch.cuda.Stream | None = None
+        self.replays = self.captures = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, tensors: Sequence[torch.Tensor],
+            launch: Callable[[], None]) -> None:
+        """``launch()``, as a graph replay when this signature was captured."""
+        if not self.enabled:
+            launch()
+            return
+        signature = (key, *[(t.data_ptr(), *t.shape) for t in tensors])
+        graph = self._graphs.get(signature)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return
+        if (signature not in self._seen or signature in self._eager
+                or len(self._graphs) >= MAX_GRAPHS
+                or torch.cuda.is_current_stream_capturing()):
+            if len(self._seen) < 4 * MAX_GRAPHS:
+                self._seen.add(signature)
+            launch()
+            return
+        graph = self._capture(signature, launch)
+        if graph is None:
+            launch()
+            return
+        self._graphs[signature] = graph
+        graph.replay()  # the capture ran nothing: this replay is this step's work
+        self.replays += 1
+
+    def _capture(self, signature: tuple, launch: Callable[[], None]
+                 ) -> torch.cuda.CUDAGraph | None:
+        """The launches as a graph (on a side stream, as torch.cuda.graph does), or
+        None when capturing them fails; the signature then stays eager."""
+        current = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        self._stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    launch()
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 (a graph is an optimization: run eagerly)
+            self._eager.add(signature)
+            logger.warning("DDTree %s launches could not be captured in a CUDA graph "
+                           "(%s: %s); they run eagerly at this shape.", self.name,
+                           type(exc).__name__, exc)
+            current.wait_stream(self._stream)
+            return None
+        current.wait_stream(self._stream)
+        self.captures += 1
+        if self.captures == 1:
+            logger.info("DDTree %s: the step's launches replay as a CUDA graph from now "
+                        "on (one per batch shape).", self.name)
+        return graph
