@@ -17,7 +17,7 @@ import torch
 
 from tests.test_compaction import setup
 from tests.triton_utils import DEVICE, needs_cuda, needs_kernel
-from vllm_ddtree.attention import cuda
+from vllm_ddtree.attention import cuda, kv_move_triton
 from vllm_ddtree.attention.kv_move_triton import compact_kv_triton, triton_can_move
 from vllm_ddtree.compaction import block_slot_moves, plan_rows, plan_slots
 from vllm_ddtree.verify import WalkResult
@@ -168,3 +168,17 @@ def test_caches_reused_at_the_same_addresses_with_another_dtype():
         compact_kv_triton(caches, slot_mapping, accepted, row_start)
         for got, want in zip(caches, expected, strict=True):
             assert torch.equal(bits(got), bits(want))
+
+
+def test_element_offsets_are_remembered_and_never_dropped(monkeypatch):
+    """A launch captured in a CUDA graph reads its offsets tensor at every replay, so a
+    remembered entry is never dropped; past the cache's size offsets are made anew."""
+    monkeypatch.setattr(kv_move_triton, "_offsets_cache", {})
+    monkeypatch.setattr(kv_move_triton, "_OFFSETS_CACHE_SIZE", 2)
+    base = torch.zeros(64, dtype=torch.float32)
+    sets = [[base[0:4], base[8 * i + 8 : 8 * i + 12]] for i in range(3)]
+    first = [kv_move_triton.element_offsets(s) for s in sets]
+    assert [f.tolist() for f in first] == [[0, 8], [0, 16], [0, 24]]
+    again = [kv_move_triton.element_offsets(s) for s in sets]
+    assert again[0] is first[0] and again[1] is first[1]  # remembered
+    assert again[2] is not first[2] and again[2].tolist() == [0, 24]  # past the size: anew

@@ -102,3 +102,12 @@ def test_launches_that_cannot_be_captured_stay_eager(monkeypatch):
     assert graphs.num_graphs == 0 and graphs.replays == 0
     assert len(messages) == 1 and "could not be captured" in messages[0]
     torch.cuda.synchronize()  # the failed capture left the device usable
+
+
+@pytest.mark.parametrize("value,enabled", [(None, True), ("1", True), ("0", False), ("", False)])
+def test_the_environment_switch(monkeypatch, value, enabled):
+    if value is None:
+        monkeypatch.delenv(step_graphs.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(step_graphs.ENV_VAR, value)
+    assert step_graphs.enabled_by_env() is enabled

@@ -57,7 +57,7 @@ from vllm_ddtree.runner import (
     step_attention_info,
 )
 from vllm_ddtree.sampler import TreeVerifyStep
-from vllm_ddtree.step_graphs import StepGraphs
+from vllm_ddtree.step_graphs import StepGraphs, enabled_by_env
 from vllm_ddtree.step_tree_triton import step_trees_triton, tree_outputs
 from vllm_ddtree.sync import step_phase, to_device
 from vllm_ddtree.tree import DDTree
@@ -217,7 +217,7 @@ def install(runner: GPUModelRunner) -> None:
             "vllm_ddtree's init_speculator patch is not in place"
         )
     register_backends(runner.device)
-    graphs = (not runner.model_config.enforce_eager
+    graphs = (not runner.model_config.enforce_eager and enabled_by_env()
               and runner.compilation_config.cudagraph_mode != CUDAGraphMode.NONE)
     runner.ddtree_state = DDTreeV2State.create(ddtree, runner.max_num_reqs,
                                                runner.max_num_tokens, runner.device, graphs)

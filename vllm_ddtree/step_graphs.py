@@ -24,6 +24,7 @@ way.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -31,12 +32,20 @@ from vllm.logger import init_logger
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
-__all__ = ["MAX_GRAPHS", "StepGraphs"]
+__all__ = ["ENV_VAR", "MAX_GRAPHS", "StepGraphs", "enabled_by_env"]
+
+# VLLM_DDTREE_STEP_GRAPHS=0 runs the step's launches eagerly in every engine (to tell
+# a graph's fault from the launches' when debugging; read when an engine starts).
+ENV_VAR = "VLLM_DDTREE_STEP_GRAPHS"
 
 # Signatures per StepGraphs: one per batch size and width in steady decoding, a few
 # more where vLLM's buffers are sliced differently. Graphs hold no memory of their
 # own (nothing is allocated inside a capture), so the cap only bounds the tables.
 MAX_GRAPHS = 1024
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_VAR, "1") not in ("", "0")
 
 
 class StepGraphs:

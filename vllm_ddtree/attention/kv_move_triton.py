@@ -128,8 +128,9 @@ def element_offsets(tensors: Sequence[torch.Tensor]) -> torch.Tensor:  # [num_te
     """Element offset of each tensor's storage from the first's, on their device, so a
     kernel reaches tensor i as the first's pointer plus offset i. Tensors of one
     dtype; remembered per set of addresses (vLLM never moves a KV cache; hidden
-    states come from a few addresses), up to _OFFSETS_CACHE_SIZE sets, then
-    forgotten all at once."""
+    states come from a few addresses), up to _OFFSETS_CACHE_SIZE sets; later sets
+    are made anew each call. Entries are never dropped: a launch captured in a CUDA
+    graph (runner_v2's step graphs) reads its offsets from them at every replay."""
     pointers = tuple(t.data_ptr() for t in tensors)
     size = tensors[0].element_size()
     key = (tensors[0].device, size, pointers)  # offsets count elements of this size
@@ -137,10 +138,14 @@ def element_offsets(tensors: Sequence[torch.Tensor]) -> torch.Tensor:  # [num_te
     if offsets is None:
         if any((p - pointers[0]) % size for p in pointers):
             raise ValueError("tensors must lie a whole number of elements apart")
-        if len(_offsets_cache) >= _OFFSETS_CACHE_SIZE:
-            _offsets_cache.clear()
+        if tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            # A graph would copy from a host buffer freed after the capture.
+            raise RuntimeError("element offsets of tensors met for the first time while "
+                               "a CUDA graph is captured")
         host = torch.tensor([(p - pointers[0]) // size for p in pointers], dtype=torch.int64)
-        offsets = _offsets_cache[key] = to_device(host, tensors[0].device)
+        offsets = to_device(host, tensors[0].device)
+        if len(_offsets_cache) < _OFFSETS_CACHE_SIZE:  # never evicted: graphs may read them
+            _offsets_cache[key] = offsets
     return offsets
 
 
