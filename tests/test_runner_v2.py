@@ -23,6 +23,7 @@ from vllm_ddtree import runner_v2  # noqa: E402
 from vllm_ddtree.attention.reference import pack_tree_mask  # noqa: E402
 from vllm_ddtree.attention.state import packed_view  # noqa: E402
 from vllm_ddtree.config import DDTreeConfig  # noqa: E402
+from vllm_ddtree.step_graphs import StepGraphs  # noqa: E402
 from vllm_ddtree.tree import DDTree, build_ddtree  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -400,3 +401,63 @@ def test_the_drafters_graph_stores_a_verify_steps_context_rows():
     spec = SimpleNamespace(ddtree=ddtree_config(), max_num_tokens=50)
     assert DDTreeSpeculator._num_graph_context_tokens(spec, 3) == 3 * (BUDGET + 1)
     assert DDTreeSpeculator._num_graph_context_tokens(spec, 20) == 50
+
+
+class ReplayingGraphs(StepGraphs):
+    """StepGraphs as a CUDA graph behaves, on the CPU: a capture keeps that call's
+    launches (closed over that call's tensors) and a replay runs those again, reading
+    what the captured tensors hold now, as a graph reads its captured addresses. An
+    input left out of the signature that vLLM moves to another tensor is then read
+    stale, as on the GPU."""
+
+    def __init__(self, name: str):
+        super().__init__(torch.device("cpu"), name)
+        self.enabled = True
+
+    def _capture(self, signature, launch):
+        self.captures += 1
+        return SimpleNamespace(replay=launch)
+
+
+def test_replayed_steps_read_each_steps_inputs_and_vllms_rotating_buffers():
+    """Three identical steps through the step graphs (eager, captured, replayed), the
+    third after vLLM moved ``prefill_len`` to another of its UVA buffers (as it does
+    when a request arrives) with C's prompt now done: every step walks, counts and
+    compacts as the first, and the third counts C's token (a graph over the old
+    buffer would still see C prefilling)."""
+    step = Step(b_penalised=False)
+    greedy_sampler(step)
+    state = step.state
+    state.graphs_before, state.graphs_after = ReplayingGraphs("before"), ReplayingGraphs("after")
+    hidden0 = torch.arange(18, dtype=torch.float32)[:, None].repeat(1, 4)
+    hidden, aux = hidden0.clone(), hidden0 + 100
+    ids0 = step.batch.input_ids.clone()  # the compaction moves token ids too
+    outs = []
+    for i in range(3):
+        if i == 2:
+            done = step.sampler.req_states.prefill_len.gpu.clone()
+            done[7] = 4
+            step.sampler.req_states.prefill_len = SimpleNamespace(gpu=done)
+        # vLLM writes each step's inputs into the same buffers.
+        step.batch.positions.copy_(torch.tensor(step.positions0))
+        step.batch.input_ids.copy_(ids0)
+        hidden.copy_(hidden0)
+        aux.copy_(hidden0 + 100)
+        step.begin()
+        path = a_deep_path(step)
+        logits = torch.nn.functional.one_hot(target_tokens_for(step, path, a_bonus=17),
+                                             VOCAB).float()
+        state.exec_state = SimpleNamespace(slot_mappings_by_layer={}, hidden_states=hidden,
+                                           aux_hidden_states=[aux])
+        out = runner_v2.DDTreeV2Sampler(step.runner, None)(logits, step.batch)
+        outs.append((out, hidden.clone(), step.batch.positions.clone()))
+    assert state.graphs_after.captures == 1 and state.graphs_after.replays >= 1
+    assert state.graphs_before.captures == 1 and state.graphs_before.replays == 2
+    first, *later = outs
+    for out, rows, positions in later:
+        assert torch.equal(out.sampled_token_ids, first[0].sampled_token_ids)
+        assert torch.equal(rows, first[1]) and torch.equal(positions, first[2])
+    assert first[0].num_sampled.tolist() == [len(path) + 1, 1, 0]  # C prefilling
+    assert outs[1][0].num_sampled.tolist() == [len(path) + 1, 1, 0]
+    assert outs[2][0].num_sampled.tolist() == [len(path) + 1, 1, 1]  # C's prompt done
+    assert outs[2][0].num_rejected.tolist()[2] == 0  # one logits row, one token

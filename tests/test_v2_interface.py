@@ -198,3 +198,19 @@ def test_the_walk_counts_as_vllms_get_num_sampled_and_rejected():
         (walk.num_accepted + 1).to(torch.int32), seq_lens, cu, idx_mapping, prefill_len)
     assert counts[0].tolist() == vllm_sampled.tolist() == [3, 4, 0]
     assert counts[1].tolist() == vllm_rejected.tolist() == [1, 0, 0]
+
+
+def test_the_step_graphs_inputs_stay_put_or_are_in_their_signature():
+    """runner_v2's step graphs replay over fixed addresses: the batch tensors they read
+    are views of vLLM's persistent input buffers (or are copied: idx_mapping and
+    cu_num_logits, made anew each step), and ``prefill_len.gpu``, which vLLM moves
+    among UVA buffers, is in the walk graph's signature."""
+    from vllm.v1.worker.gpu import model_runner as v2
+    from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
+
+    source = inspect.getsource(v2.GPUModelRunner.prepare_inputs)
+    for name in ("input_ids", "positions"):
+        assert f"{name}=self.input_buffers.{name}[" in source, name
+    assert "seq_lens = self.input_buffers.seq_lens[" in source
+    assert "query_start_loc = self.input_buffers.query_start_loc" in source
+    assert "self.gpu = self.pool.copy_to_uva(" in inspect.getsource(UvaBackedTensor)

@@ -403,10 +403,13 @@ class DDTreeV2Sampler:
         num_sampled, num_rejected = buffers.num_sampled, buffers.num_rejected
         step.walk = buffers.walk
         # vLLM's rule for requests still prefilling their prompt (they commit nothing).
-        chunked_prefill = (input_batch.seq_lens, buffers.idx_mapping,
-                           self.sampler.req_states.prefill_len.gpu)
+        # prefill_len.gpu is one of a few UVA buffers that vLLM rotates as requests
+        # arrive: like every tensor here that is not the runner's own, it is part of
+        # the graph's signature.
+        prefill_len = self.sampler.req_states.prefill_len.gpu
+        chunked_prefill = (input_batch.seq_lens, buffers.idx_mapping, prefill_len)
         exec_state = state.exec_state
-        touched = [input_batch.seq_lens]
+        touched = [input_batch.seq_lens, prefill_len]
         if exec_state is not None:
             states = [exec_state.hidden_states, *(exec_state.aux_hidden_states or [])]
             slot_mappings = exec_state.slot_mappings_by_layer

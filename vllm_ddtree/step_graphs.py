@@ -80,8 +80,7 @@ class StepGraphs:
             self.replays += 1
             return
         if (signature not in self._seen or signature in self._eager
-                or len(self._graphs) >= MAX_GRAPHS
-                or torch.cuda.is_current_stream_capturing()):
+                or len(self._graphs) >= MAX_GRAPHS or self._capturing()):
             if len(self._seen) < 4 * MAX_GRAPHS:
                 self._seen.add(signature)
             launch()
@@ -93,6 +92,10 @@ class StepGraphs:
         self._graphs[signature] = graph
         graph.replay()  # the capture ran nothing: this replay is this step's work
         self.replays += 1
+
+    def _capturing(self) -> bool:
+        """Whether another graph is being captured on this device's current stream."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _capture(self, signature: tuple, launch: Callable[[], None]
                  ) -> torch.cuda.CUDAGraph | None:
