@@ -112,7 +112,8 @@ def block_after_file(text: str, name: str) -> tuple[list[str], list[list[str]]]:
                                   "e2e_h200_async.json", "e2e_h200_runners2.json",
                                   "e2e_h200_v2.json", "e2e_h200_v2_fused.json",
                                   *(f"e2e_h200_6506348_{run}.json" for run in (1, 2, 3, 4)),
-                                  "e2e_h200_interleave_1.json", "e2e_h200_interleave_2.json"])
+                                  "e2e_h200_interleave_1.json", "e2e_h200_interleave_2.json",
+                                  "e2e_h200_stepgraphs.json"])
 def test_bench_readme_runner_tables_are_the_results_files(name):
     """benchmarks/README.md's H200 runs: tau, tok/s and the ratios to the rows named in
     the heading's "x <row>" columns (same temperature and batch) are the file's."""
@@ -327,6 +328,49 @@ def test_readme_interleaved_runs_table_is_the_results_files():
         assert_tau_speed_step(r, tau, tok_s, ms, (run, method, t))
         chain = row_at(runs[run]["chain"], float(t), 1)
         assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (run, method, t)
+
+
+def test_readme_step_graphs_table_is_the_results_file():
+    """README's batch-1 rows of the step-graphs run: tau, tok/s, ms per step and the
+    ratio to the chain of the same temperature are e2e_h200_stepgraphs.json's."""
+    res = results_rows("e2e_h200_stepgraphs.json")
+    heading, rows = block_after_file(README, "e2e_h200_stepgraphs.json")
+    assert heading == "method T tau tok/s ms per step x chain".split()
+    assert {(method, t) for method, t, *_ in rows} == {(m, t) for m in res for t in "01"}
+    for method, t, tau, tok_s, ms, x_chain in rows:
+        r, chain = row_at(res[method], float(t), 1), row_at(res["chain"], float(t), 1)
+        assert_tau_speed_step(r, tau, tok_s, ms, (method, t))
+        assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (method, t)
+
+
+def round_ratios(name: str, method: str) -> list[float]:
+    """Chain seconds over ``method``'s, round by round (T=0, batch 1) of an interleaved run."""
+    res = results_rows(name)
+    chain, other = row_at(res["chain"], 0.0, 1), row_at(res[method], 0.0, 1)
+    return [c / o for c, o in zip(chain["seconds_each"], other["seconds_each"], strict=True)]
+
+
+def test_step_graphs_run_claims_are_the_results_files():
+    """The prose around the step-graphs run: the round-by-round ranges, the step costs
+    before and after, and tau equal to 7c0386e's run 1 in every row."""
+    name = "e2e_h200_stepgraphs.json"
+    ranges = {m: round_ratios(name, m) for m in ("ddtree-b32-k4", "ddtree-b16-k4")}
+    said = re.search(r"the B = 32 ratio ranged ([\d.]+)-([\d.]+)\s+and B = 16's "
+                     r"([\d.]+)-([\d.]+)", BENCH_README)
+    assert said, "the round-by-round ranges are missing"
+    want = [f"{f(r):.2f}" for r in ranges.values() for f in (min, max)]
+    assert list(said.groups()) == want
+    overall = [r for rs in ranges.values() for r in rs]
+    for doc, pattern in ((README, r"ratio spread ([\d.]+)-([\d.]+)x"),
+                         (README, r"spread from\s+([\d.]+)x to ([\d.]+)x")):
+        found = re.search(pattern, doc)
+        assert found and found.groups() == (f"{min(overall):.2f}", f"{max(overall):.2f}")
+    before, after = results_rows("e2e_h200_interleave_1.json"), results_rows(name)
+    for method in after:
+        for t in (0.0, 1.0):
+            for batch in (1, 8):
+                assert round(row_at(after[method], t, batch)["tau"], 2) == round(
+                    row_at(before[method], t, batch)["tau"], 2), (method, t, batch)
 
 
 def test_readme_graph_coverage_ratios_are_the_results_files():
