@@ -19,6 +19,10 @@ four points (patches._patch_v2_model_runner):
    drafter's next pass see a chain step with k accepted drafts;
 4. after drafting: the speculator maps request states to their new trees.
 
+In engines with CUDA graphs, the launches of 2 and of the walk and compaction in 3
+replay as one graph each per batch shape (step_graphs.py), over the step buffers
+(:class:`StepBuffers`) and vLLM's persistent input buffers.
+
 Requests whose sampling reads the drafts as a chain (repetition, frequency or
 presence penalties, bad words, a thinking budget, custom logits processors) are verified as the
 chain of their drafts; a batch with structured-output requests goes to vLLM's
