@@ -289,7 +289,8 @@ TIMED = (
     ("vllm_ddtree.runner_v2", None, "walk_rows"),
     ("vllm_ddtree.runner_v2", None, "compact_accepted"),
     ("vllm_ddtree.runner_v2", "DDTreeV2Sampler", "__call__"),
-    ("vllm_ddtree.runner_v2", "DDTreeV2Sampler", "_walk"),
+    ("vllm_ddtree.runner_v2", "DDTreeV2Sampler", "_walk_and_compact"),
+    ("vllm_ddtree.step_graphs", "StepGraphs", "run"),
 )
 
 
