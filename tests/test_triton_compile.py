@@ -51,7 +51,9 @@ STEP_TREES = ("tokens_ptr:*i64", "parents_ptr:*i64", "depths_ptr:*i64", "valid_p
               "packed_stride_r:i32", "packed_stride_i:i32", "positions_ptr:*i64",
               "query_start_ptr:*i32", "row_start_ptr:*i64")
 WALK_TREE = ("accepted_ptr:*i64", "num_accepted_ptr:*i64", "bonus_ptr:*i64", "output_ptr:*i64",
-             "num_sampled_ptr:*i32", "tokens_ptr:*i64", "parents_ptr:*i64", "valid_ptr:*u8",
+             "num_sampled_ptr:*i32", "num_rejected_ptr:*i32", "seq_lens_ptr:*i32",
+             "idx_mapping_ptr:*i64", "prefill_len_ptr:*i32",
+             "tokens_ptr:*i64", "parents_ptr:*i64", "valid_ptr:*u8",
              "target_ptr:*i64", "cu_rows_ptr:*i32", "scheduled_ptr:*i64", "n:i32",
              "tokens_stride:i32", "parents_stride:i32", "valid_stride:i32",
              "target_stride:i32")
@@ -140,10 +142,13 @@ CASES = {
     "select_tree_wide": (select_tree_kernel, sig(  # budget 511: preorder sums over 512 lanes
         *SELECT_TREE, BUDGET=511, MAX_DEPTH=15, TOPK=16, BLOCK=512, RANK_BITS=9, MASK_ROWS=8)),
     "walk_tree": (walk_tree_kernel, sig(*WALK_TREE, MAX_DEPTH=15, BLOCK=32, PATH_BLOCK=16,
-                                        FROM_ROWS=False, NUM_SAMPLED=False)),
-    # As the V2 sampler launches it: target tokens from the flat logits rows.
+                                        FROM_ROWS=False, NUM_SAMPLED=False, NUM_REJECTED=False,
+                                        CHUNKED_PREFILL=False)),
+    # As the V2 sampler launches it: target tokens from the flat logits rows, and the
+    # counts vLLM takes (a request still prefilling commits nothing).
     "walk_rows": (walk_tree_kernel, sig(*WALK_TREE, MAX_DEPTH=7, BLOCK=128, PATH_BLOCK=8,
-                                        FROM_ROWS=True, NUM_SAMPLED=True)),
+                                        FROM_ROWS=True, NUM_SAMPLED=True, NUM_REJECTED=True,
+                                        CHUNKED_PREFILL=True)),
 }
 
 
