@@ -125,15 +125,7 @@ class StepBuffers:
                  device: torch.device) -> StepBuffers:
         width, i64 = ddtree.verify_width, {"dtype": torch.int64, "device": device}
         return cls(
-            trees=DDTree(
-                tokens=torch.zeros(max_num_reqs, width, **i64),
-                parents=torch.zeros(max_num_reqs, width, **i64),
-                depths=torch.zeros(max_num_reqs, width, **i64),
-                valid=torch.zeros(max_num_reqs, width, dtype=torch.bool, device=device),
-                ancestor_mask=torch.zeros(max_num_reqs, width, width, dtype=torch.bool,
-                                          device=device),
-                num_nodes=torch.zeros(max_num_reqs, **i64),
-            ),
+            trees=DDTree.zeros(max_num_reqs, width, device),
             num_scheduled=torch.zeros(max_num_reqs, **i64),
             idx_mapping=torch.zeros(max_num_reqs, **i64),
             cu_num_logits=torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device),

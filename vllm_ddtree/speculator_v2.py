@@ -49,14 +49,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.req_states = req_states
         rows, width = self.max_num_reqs, ddtree.verify_width
         # The last pass's trees, in its batch order ([rows, budget + 1] per field).
-        self.trees = DDTree(
-            tokens=torch.zeros(rows, width, dtype=torch.int64, device=device),
-            parents=torch.zeros(rows, width, dtype=torch.int64, device=device),
-            depths=torch.zeros(rows, width, dtype=torch.int64, device=device),
-            valid=torch.zeros(rows, width, dtype=torch.bool, device=device),
-            ancestor_mask=torch.zeros(rows, width, width, dtype=torch.bool, device=device),
-            num_nodes=torch.zeros(rows, dtype=torch.int64, device=device),
-        )
+        self.trees = DDTree.zeros(rows, width, device)
         # Request state index -> its row in `trees` (-1: no tree from the last pass).
         self.tree_row_of_state = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self._batch_rows = torch.arange(rows, dtype=torch.int64, device=device)

@@ -71,6 +71,19 @@ class DDTree:
     def budget(self) -> int:
         return self.tokens.shape[1] - 1
 
+    @classmethod
+    def zeros(cls, num_reqs: int, width: int, device: torch.device) -> DDTree:
+        """Persistent tree buffers of ``num_reqs`` rows of ``width`` nodes, zeroed."""
+        i64 = {"dtype": torch.int64, "device": device}
+        return cls(
+            tokens=torch.zeros(num_reqs, width, **i64),
+            parents=torch.zeros(num_reqs, width, **i64),
+            depths=torch.zeros(num_reqs, width, **i64),
+            valid=torch.zeros(num_reqs, width, dtype=torch.bool, device=device),
+            ancestor_mask=torch.zeros(num_reqs, width, width, dtype=torch.bool, device=device),
+            num_nodes=torch.zeros(num_reqs, **i64),
+        )
+
 
 def build_ddtree(
     draft_logprobs: torch.Tensor,  # [num_reqs, max_depth, vocab]; row d = log q_{d+1}
