@@ -8,6 +8,7 @@ ratios to non-speculative decoding and to the chain, measured side by side.
     python benchmarks/bench_e2e.py --target DIR --drafter DIR      # full matrix
     python benchmarks/bench_e2e.py --quick                         # CI-sized run
     python benchmarks/bench_e2e.py --render results/e2e_h200.json  # table + plot again
+    python benchmarks/bench_e2e.py --pool results/e2e_h200_a.json results/e2e_h200_b.json
 
 Without --target/--drafter it uses the SmolLM2 pair when the trained drafter
 is in models/, else tiny models it builds. Writes JSON (and a PNG plot when
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -90,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--render", type=Path, default=None, metavar="JSON",
                    help="print the table of an earlier run's JSON and write its plot "
                         "beside it; runs nothing")
+    p.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="pool the round-by-round ratios to the chain of earlier "
+                        "--interleave runs' JSON files: table, and JSON to --out "
+                        "(default benchmarks/results/e2e_pooled.json); runs nothing")
+    p.add_argument("--pool-target", type=float, default=1.3,
+                   help="with --pool, the ratio whose share of rounds is reported")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
@@ -432,6 +441,88 @@ def render(path: Path) -> dict:
     return results
 
 
+def round_ratios(results: dict[str, list[dict]]) -> dict[tuple[str, float, int], list[float]]:
+    """Per (method, T, batch): each timed round's tokens/s over the chain's in the same
+    round. Only an interleaved run pairs rounds so (its engines take turns inside each
+    round); rows without a chain row, or with a round count unlike the chain's, are left
+    out."""
+    chain = {(r["temperature"], r["batch"]): r for r in
+             results.get("chain", results.get("chain-v1", []))}
+    ratios = {}
+    for name, rows in results.items():
+        if name.startswith(("chain", "plain")):
+            continue
+        for r in rows:
+            ref = chain.get((r["temperature"], r["batch"]))
+            each, ref_each = r.get("seconds_each") or [], (ref or {}).get("seconds_each") or []
+            if not each or len(each) != len(ref_each):
+                continue
+            ratios[(name, r["temperature"], r["batch"])] = [
+                (r["tokens"] / t) / (ref["tokens"] / t_ref) for t, t_ref in zip(each, ref_each)]
+    return ratios
+
+
+def bootstrap_median(runs: list[list[float]], draws: int = 2000, seed: int = 0,
+                     level: float = 0.9) -> tuple[float, float]:
+    """An interval for the median ratio: runs drawn with replacement, then rounds
+    within each drawn run (a run's machine and minutes move all its rounds together,
+    so rounds are not independent draws). Seeded: the same files give the same
+    interval."""
+    rng = random.Random(seed)
+    medians = []
+    for _ in range(draws):
+        sample = []
+        for run in rng.choices(runs, k=len(runs)):
+            sample += rng.choices(run, k=len(run))
+        medians.append(statistics.median(sample))
+    medians.sort()
+    tail = (1 - level) / 2
+    return (medians[int(math.floor(tail * (draws - 1)))],
+            medians[int(math.ceil((1 - tail) * (draws - 1)))])
+
+
+def pool(paths: list[Path], out: Path, target: float = 1.3) -> dict:
+    """The ratio to the chain over several interleaved runs, round by round: per row the
+    rounds, each run's median, the pooled median with a 90% interval, the range and the
+    share of rounds at or above ``target``. Prints a table and writes JSON to ``out``."""
+    per_row: dict[tuple[str, float, int], list[tuple[str, list[float]]]] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        if not data.get("interleaved"):
+            raise SystemExit(f"{path} is not an --interleave run: its rounds are not paired "
+                             "with the chain's, so there is nothing to pool")
+        for key, ratios in round_ratios(data["results"]).items():
+            per_row.setdefault(key, []).append((path.name, ratios))
+    if not per_row:
+        raise SystemExit("no row with the chain's rounds beside it in " +
+                         ", ".join(str(p) for p in paths))
+    rows = []
+    for (name, temperature, batch), runs in sorted(per_row.items()):
+        every = [x for _, ratios in runs for x in ratios]
+        low, high = bootstrap_median([ratios for _, ratios in runs])
+        rows.append({
+            "method": name, "temperature": temperature, "batch": batch,
+            "runs": [{"file": f, "rounds": len(r), "median": statistics.median(r)}
+                     for f, r in runs],
+            "rounds": len(every), "median": statistics.median(every),
+            "interval_90": [low, high], "min": min(every), "max": max(every),
+            "share_at_target": sum(x >= target for x in every) / len(every),
+        })
+    print(f"{'method':<18}{'T':>4}{'batch':>6}{'runs':>5}{'rounds':>7}{'median':>8}"
+          f"{'90% interval':>15}{'range':>13}{f'>= {target:g}':>8}  run medians")
+    for r in rows:
+        print(f"{r['method']:<18}{r['temperature']:>4.1f}{r['batch']:>6}{len(r['runs']):>5}"
+              f"{r['rounds']:>7}{r['median']:>8.2f}"
+              f"{'%.2f-%.2f' % tuple(r['interval_90']):>15}"
+              f"{'%.2f-%.2f' % (r['min'], r['max']):>13}{r['share_at_target']:>8.0%}  "
+              + " ".join(f"{run['median']:.2f}" for run in r["runs"]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"files": [str(p) for p in paths], "target": target,
+                               "rows": rows}, indent=1))
+    print(f"[bench] wrote {out}")
+    return {"rows": rows}
+
+
 def results_stem(args: argparse.Namespace) -> Path:
     """--out without a .json/.png ending (it names both files), or the default."""
     if args.out is None:
@@ -443,6 +534,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.render:
         return render(args.render)
+    if args.pool:
+        out = RESULTS / "e2e_pooled" if args.out is None else results_stem(args)
+        return pool(args.pool, Path(f"{out}.json"), args.pool_target)
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     target, drafter = resolve_models(args)
     print(f"[bench] target {target}\n[bench] drafter {drafter}", flush=True)

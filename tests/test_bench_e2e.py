@@ -81,6 +81,54 @@ def test_render_without_plain_or_chain_rows(tmp_path, capsys):
     assert fields[5:7] == ["nan", "nan"]
 
 
+def interleaved_run(path: Path, chain_each: list[float], ddtree_each: list[float],
+                    interleaved: bool = True) -> Path:
+    path.write_text(json.dumps({"interleaved": interleaved, "results": {
+        "chain": [row(0.0, 1, 1.5, 640.0, seconds_each=chain_each)],
+        "ddtree-b16-k4": [row(0.0, 1, 2.0, 640.0, seconds_each=ddtree_each),
+                          row(1.0, 1, 1.5, 640.0, seconds_each=ddtree_each)],  # no chain row
+    }}))
+    return path
+
+
+def test_pool_pairs_each_round_with_the_chains_and_pools_the_runs(tmp_path, capsys):
+    # Run 1's rounds: ratios 2.0, 1.0, 1.25 (the chain's time over DDTree's, same tokens);
+    # run 2's: 1.5, 1.5. Ratio of medians would say 1.0 for run 1; paired, its median is 1.25.
+    a = interleaved_run(tmp_path / "a.json", [0.2, 0.1, 0.25], [0.1, 0.1, 0.2])
+    b = interleaved_run(tmp_path / "b.json", [0.3, 0.15], [0.2, 0.1])
+    out = tmp_path / "pooled"
+    rows = bench.main(["--pool", str(a), str(b), "--out", str(out)])["rows"]
+    assert len(rows) == 1  # the T=1 row has no chain row to pair with
+    r = rows[0]
+    assert (r["method"], r["temperature"], r["batch"], r["rounds"]) == ("ddtree-b16-k4", 0.0, 1, 5)
+    assert [run["median"] for run in r["runs"]] == pytest.approx([1.25, 1.5])
+    assert r["median"] == pytest.approx(1.5)  # of 2.0, 1.0, 1.25, 1.5, 1.5
+    assert (r["min"], r["max"]) == pytest.approx((1.0, 2.0))
+    assert r["share_at_target"] == pytest.approx(0.6)  # 2.0, 1.5, 1.5 reach 1.3
+    low, high = r["interval_90"]
+    assert 1.0 <= low <= r["median"] <= high <= 2.0
+    assert json.loads((tmp_path / "pooled.json").read_text())["rows"] == rows
+    table = capsys.readouterr().out
+    assert "1.25 1.50" in table and ">= 1.3" in table
+
+
+def test_pool_refuses_runs_that_were_not_interleaved(tmp_path):
+    path = interleaved_run(tmp_path / "a.json", [0.2], [0.1], interleaved=False)
+    with pytest.raises(SystemExit, match="not an --interleave run"):
+        bench.main(["--pool", str(path), "--out", str(tmp_path / "p")])
+
+
+def test_bootstrap_interval_is_seeded_and_follows_the_runs():
+    runs = [[1.1, 1.2, 1.3, 1.25], [1.4, 1.35, 1.5]]
+    assert bench.bootstrap_median(runs) == bench.bootstrap_median(runs)
+    assert bench.bootstrap_median([[1.2] * 5]) == (1.2, 1.2)
+    low, high = bench.bootstrap_median(runs)
+    assert 1.1 <= low < high <= 1.5
+    # Two runs that disagree: a run drawn twice is as likely as both, so the interval
+    # spans from one run's level to the other's.
+    assert bench.bootstrap_median([[1.0] * 10, [1.6] * 10]) == (1.0, 1.6)
+
+
 class FakeLLM:
     """Stands in for vllm.LLM: records its arguments, emits max_tokens tokens."""
 

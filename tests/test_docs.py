@@ -113,7 +113,8 @@ def block_after_file(text: str, name: str) -> tuple[list[str], list[list[str]]]:
                                   "e2e_h200_v2.json", "e2e_h200_v2_fused.json",
                                   *(f"e2e_h200_6506348_{run}.json" for run in (1, 2, 3, 4)),
                                   "e2e_h200_interleave_1.json", "e2e_h200_interleave_2.json",
-                                  "e2e_h200_stepgraphs.json"])
+                                  "e2e_h200_stepgraphs.json",
+                                  *(f"e2e_h200_17379b3_{run}.json" for run in (1, 2, 3))])
 def test_bench_readme_runner_tables_are_the_results_files(name):
     """benchmarks/README.md's H200 runs: tau, tok/s and the ratios to the rows named in
     the heading's "x <row>" columns (same temperature and batch) are the file's."""
@@ -361,10 +362,8 @@ def test_step_graphs_run_claims_are_the_results_files():
     want = [f"{f(r):.2f}" for r in ranges.values() for f in (min, max)]
     assert list(said.groups()) == want
     overall = [r for rs in ranges.values() for r in rs]
-    for doc, pattern in ((README, r"ratio spread ([\d.]+)-([\d.]+)x"),
-                         (README, r"spread from\s+([\d.]+)x to ([\d.]+)x")):
-        found = re.search(pattern, doc)
-        assert found and found.groups() == (f"{min(overall):.2f}", f"{max(overall):.2f}")
+    found = re.search(r"ratio spread ([\d.]+)-([\d.]+)x", README)
+    assert found and found.groups() == (f"{min(overall):.2f}", f"{max(overall):.2f}")
     before, after = results_rows("e2e_h200_interleave_1.json"), results_rows(name)
     for method in after:
         for t in (0.0, 1.0):
@@ -383,3 +382,71 @@ def test_readme_graph_coverage_ratios_are_the_results_files():
         res = results_rows(f"e2e_h200_interleave_{run}.json")
         ratio = greedy(res[method], 8)["tok_per_s"] / greedy(res["chain"], 8)["tok_per_s"]
         assert value == f"{ratio:.2f}", method
+
+
+POOLED = "e2e_h200_stepgraphs_pooled.json"
+POOL_HEADING = "method               T batch runs rounds  median"
+
+
+def test_pooled_step_graph_runs_are_what_pool_computes_from_their_files(tmp_path, monkeypatch):
+    """The pooled file is bench_e2e's --pool of the files it names (so a re-run or an
+    edited input shows), and both READMEs' pooled tables are its rows as --pool prints
+    them."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_e2e
+
+    saved = json.loads((RESULTS / POOLED).read_text())
+    monkeypatch.chdir(RESULTS)  # the file names its inputs relative to benchmarks/results
+    again = bench_e2e.pool([Path(f) for f in saved["files"]], tmp_path / "p.json",
+                           saved["target"])
+    assert json.loads((tmp_path / "p.json").read_text()) == saved
+    for doc in (README, BENCH_README):
+        rows = block_after(doc, POOL_HEADING)
+        assert len(rows) == len(again["rows"])
+        for cells, r in zip(rows, again["rows"], strict=True):
+            want = [r["method"], f"{r['temperature']:.1f}", str(r["batch"]),
+                    str(len(r["runs"])), str(r["rounds"]), f"{r['median']:.2f}",
+                    "%.2f-%.2f" % tuple(r["interval_90"]), "%.2f-%.2f" % (r["min"], r["max"]),
+                    f"{r['share_at_target']:.0%}", *(f"{run['median']:.2f}" for run in r["runs"])]
+            assert cells == want
+
+
+def test_pooled_run_claims_are_the_results_files():
+    """README's summary of the step-graph runs: the pooled T=0 batch-1 medians, budget
+    16's run medians and interval, and the verify-step costs (ms and ratio to the chain
+    of the same run) it quotes."""
+    rows = {(r["method"], r["temperature"], r["batch"]): r
+            for r in json.loads((RESULTS / POOLED).read_text())["rows"]}
+    b16, b32 = rows["ddtree-b16-k4", 0.0, 1], rows["ddtree-b32-k4", 0.0, 1]
+    text = " ".join(README.split())
+    assert (f"are {b16['median']:.2f}x the chain's at budget 16 and {b32['median']:.2f}x "
+            "at budget 32") in text
+    run_medians = [run["median"] for run in b16["runs"]]
+    assert f"own median {min(run_medians):.2f}-{max(run_medians):.2f}x at budget 16" in text
+    assert "budget 16's 90% interval ({:.2f}-{:.2f}x)".format(*b16["interval_90"]) in text
+    ms, ratio = {}, {}
+    for name in ("e2e_h200_stepgraphs.json", *(f"e2e_h200_17379b3_{i}.json" for i in "123")):
+        res = results_rows(name)
+        step = {m: 1000 * greedy(rows_, 1)["seconds"] / greedy(rows_, 1)["steps"]
+                for m, rows_ in res.items()}
+        for method, value in step.items():
+            ms.setdefault((method, name.startswith("e2e_h200_17379b3")), []).append(value)
+            if method != "chain":
+                ratio.setdefault(method, []).append(value / step["chain"])
+    every = [x for r in ratio.values() for x in r]
+    ddtree_ms = [x for (m, _), v in ms.items() if m != "chain" for x in v]
+    chain_ms = [x for (m, _), v in ms.items() if m == "chain" for x in v]
+    assert (f"costs {min(every):.2f}-{max(every):.2f}x the chain's ({min(ddtree_ms):.1f}-"
+            f"{max(ddtree_ms):.1f} ms against {min(chain_ms):.1f}-{max(chain_ms):.1f})") in text
+    later = {m: v for (m, new), v in ms.items() if new}
+    assert (f"it took {min(later['ddtree-b16-k4']):.2f}-{max(later['ddtree-b16-k4']):.2f} ms "
+            f"(budget 16) and {min(later['ddtree-b32-k4']):.2f}-{max(later['ddtree-b32-k4']):.2f} "
+            f"ms (budget 32) per verify step against the chain's "
+            f"{min(later['chain']):.2f}-{max(later['chain']):.2f}") in text
+    bench_text = " ".join(BENCH_README.split())
+    for method, budget in (("ddtree-b16-k4", 16), ("ddtree-b32-k4", 32)):
+        r = ratio[method]
+        assert f"{min(r):.2f}-{max(r):.2f}x the chain's at budget {budget}" in bench_text or (
+            f"{min(r):.2f}-{max(r):.2f}x at budget {budget}" in bench_text), method
