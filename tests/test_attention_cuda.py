@@ -517,6 +517,37 @@ def test_metadata_classes_carry_the_tree(builder):
     assert "tree" in inspect.signature(metadata_cls).parameters
 
 
+@pytest.mark.parametrize("builder", [
+    cuda.DDTreeFlashAttentionMetadataBuilder,
+    cuda.DDTreeTritonAttentionMetadataBuilder,
+    cpu.DDTreeCPUAttentionMetadataBuilder,
+], ids=["FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"])
+def test_the_tree_is_attached_to_the_parents_metadata_as_built(builder):
+    """The mixin attaches the tree without a second dataclass __init__ (every verify
+    step): the result equals the parent's metadata rebuilt field by field with the
+    tree, the subclass's other fields at their defaults."""
+    metadata_cls = builder.metadata_cls
+    parent = metadata_cls.__mro__[1]
+    values = {f.name: object() for f in fields(parent)}  # each field a value of its own
+
+    class Parent:
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            return parent(**values)
+
+    class Built(TreeMetadataBuilderMixin, Parent):
+        pass
+
+    Built.metadata_cls = metadata_cls
+    batch = make_batch([3, 2], [1, 1], seed=10)
+    info = tree_info(batch, [3, 2], seed=11)
+    values["query_start_loc"] = batch.metadata.query_start_loc  # prepare_for's device
+    with publishing(info):
+        metadata = Built().build(0, None)
+    assert type(metadata) is metadata_cls
+    assert metadata == metadata_cls(**values, tree=info)
+    assert all(getattr(metadata, name) is value for name, value in values.items())
+
+
 def schedule_builder(monkeypatch) -> tuple[cuda.DDTreeFlashAttentionMetadataBuilder, list]:
     """The FLASH_ATTN builder with just what vLLM's ``_get_scheduler_metadata``
     reads, and FA3's ``get_scheduler_metadata`` recording what it was asked."""
@@ -537,33 +568,44 @@ def schedule_builder(monkeypatch) -> tuple[cuda.DDTreeFlashAttentionMetadataBuil
     return builder, asked
 
 
-@pytest.mark.parametrize("case", ["all tree rows", "mixed", "no drafts", "none published"])
+@pytest.mark.parametrize("case", ["all tree rows", "uniform", "uniform, padded", "mixed",
+                                  "no drafts", "none published"])
 def test_flash_builder_schedules_the_prefix_call(case, monkeypatch):
     """In a step whose every row is a tree row, the FA3 schedule the builder makes
     ahead is flash_prefix_step's call (non-causal, the prefixes' keys), and the builder
-    says for how many requests; in any other step it stays the parent's causal call."""
+    says for how many requests; in any other step it stays the parent's causal call.
+    Where every request has the same rows (``uniform_query_len``) the prefix lengths
+    are seq_len less that number, unless the batch is padded past the trees."""
     builder, asked = schedule_builder(monkeypatch)
-    sizes = {"all tree rows": ([5, 3], [5, 3]), "mixed": ([5, 4], [5, 0]),
+    sizes = {"all tree rows": ([5, 3], [5, 3]), "uniform": ([5, 5], [5, 5]),
+             "uniform, padded": ([5, 5], [5, 5]), "mixed": ([5, 4], [5, 0]),
              "no drafts": ([1, 1], [0, 0]), "none published": ([5, 3], [5, 3])}[case]
     batch = make_batch(sizes[0], [7, 12], seed=18)
     info = tree_info(batch, sizes[1], seed=19)
     if case == "no drafts":  # decode rows without drafts are root-only trees, yet no tree
         info.all_rows_are_tree_rows = True  # is attached: the parent's kernel runs
+    if case.startswith("uniform"):
+        info.uniform_query_len = 5
+    if case == "uniform, padded":  # a third request of vLLM's padding: no rows, no keys
+        batch.metadata.seq_lens = torch.tensor([12, 17, 0], dtype=torch.int32)
+        batch.metadata.query_start_loc = torch.tensor([0, 5, 10, 10], dtype=torch.int32)
     seq_lens, qsl = batch.metadata.seq_lens, batch.metadata.query_start_loc
+    num_reqs = seq_lens.shape[0]
     with publishing(None if case == "none published" else info):
         schedule = builder._get_scheduler_metadata(
-            aot_schedule=True, batch_size=2, cu_query_lens=qsl, max_query_len=5,
+            aot_schedule=True, batch_size=num_reqs, cu_query_lens=qsl, max_query_len=5,
             seqlens=seq_lens, max_seq_len=int(seq_lens.max()), causal=True,
             max_num_splits=32,
         )
     assert torch.equal(schedule, torch.full((8,), 1, dtype=torch.int32))
     (call,) = asked
-    assert (call["batch_size"], call["max_seqlen_q"], call["num_splits"]) == (2, 5, 32)
+    assert (call["batch_size"], call["max_seqlen_q"], call["num_splits"]) == (num_reqs, 5, 32)
     assert call["max_seqlen_k"] == int(seq_lens.max()) and call["cu_seqlens_q"] is qsl
-    if case == "all tree rows":
+    if case in ("all tree rows", "uniform", "uniform, padded"):
         assert call["causal"] is False and call["window_size"] == (-1, -1)
-        assert call["cache_seqlens"].tolist() == [7, 12]  # the keys before each tree
-        assert builder._prefix_scheduled_reqs == 2
+        # The keys before each tree (the padded request: none).
+        assert call["cache_seqlens"].tolist() == [7, 12, 0][:num_reqs]
+        assert builder._prefix_scheduled_reqs == num_reqs
     else:
         assert call["causal"] is True and call["cache_seqlens"] is seq_lens
         assert builder._prefix_scheduled_reqs == -1

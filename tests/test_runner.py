@@ -7,6 +7,7 @@ import functools
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -375,3 +376,42 @@ def test_start_up_says_how_many_requests_a_graphed_verify_step_holds(
 def test_an_eager_engine_has_no_graph_coverage():
     config = engine_config(SIZES_B64, 256, enforce_eager=True)
     assert ddtree_runner.graph_coverage(config, 17) is None
+
+
+def attention_info_inputs(query_lens: list[int], drafts: list[int], width: int):
+    from vllm_ddtree.tree import DDTree
+
+    tree = DDTree.zeros(len(drafts), width, torch.device("cpu"))
+    query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    return tree, query_start, np.array(drafts, dtype=np.int64)
+
+
+def test_step_attention_infos_reuse_a_repeated_layout_in_a_new_info_each_step():
+    """The V2 runner's per-step attention info: the host-side fields of the last step
+    while the batch's layout repeats (same trees' views, offsets and draft counts),
+    made anew when it changes, and a TreeAttentionInfo of each step's own."""
+    from vllm_ddtree.attention.state import mask_buffer
+    from vllm_ddtree.runner import StepAttentionInfos, step_attention_info
+
+    buffer = mask_buffer(4, 5, torch.device("cpu"))
+    infos = StepAttentionInfos()
+    tree, query_start, drafts = attention_info_inputs([5, 5], [4, 4], 5)
+    first = infos(tree, query_start, drafts, buffer)
+    first.attention_plans["plan"] = "step 1's"
+    second = infos(tree, query_start.copy(), drafts.copy(), buffer)
+    assert second is not first and second.attention_plans == {} and not second.prepared
+    assert second.row_start is first.row_start  # kept: made once for the layout
+    plain = step_attention_info(tree, query_start, drafts, buffer)
+    for info in (first, second):
+        assert info.row_start.tolist() == plain.row_start.tolist() == [0, 5]
+        assert info.num_rows.tolist() == [5, 5] and info.tree_reqs == [0, 1]
+        assert info.all_rows_are_tree_rows and info.uniform_query_len == 5
+    # Another layout (a prefill chunk joins): made anew.
+    tree3, query_start3, drafts3 = attention_info_inputs([5, 5, 3], [4, 4, 0], 5)
+    third = infos(tree3, query_start3, drafts3, buffer)
+    assert third.row_start.tolist() == [0, 5, 12] and third.num_rows.tolist() == [5, 5, 0]
+    assert not third.all_rows_are_tree_rows and third.uniform_query_len == 0
+    # Every row a tree row, but requests of unequal trees: not uniform.
+    tree4, query_start4, drafts4 = attention_info_inputs([5, 3], [4, 2], 5)
+    fourth = infos(tree4, query_start4, drafts4, buffer)
+    assert fourth.all_rows_are_tree_rows and fourth.uniform_query_len == 0

@@ -90,14 +90,14 @@ class Step:
         use_penalty[2] = b_penalised
         self.sampler = SimpleNamespace(
             penalties_state=SimpleNamespace(use_penalty=use_penalty),
-            logits_processors=[], needs_logits_processing=np.zeros(MAX_REQS, dtype=bool),
+            # vLLM marks every request a logits processor reads (Sampler.add_request).
+            logits_processors=[], needs_logits_processing=use_penalty.copy(),
         )
         self.state = runner_v2.DDTreeV2State.create(ddtree_config(), MAX_REQS, MAX_TOKENS,
                                                     torch.device("cpu"))
         self.runner = SimpleNamespace(
             device=torch.device("cpu"), ddtree_state=self.state, sampler=self.sampler,
-            speculator=SimpleNamespace(trees=self.trees_buffer, tree_row_of_state=row_of_state,
-                                       draft_attn_layer_names=set()),
+            speculator=speculator_stub(self.trees_buffer, row_of_state),
             kv_cache_config=SimpleNamespace(kv_cache_groups=[]),
             compilation_config=SimpleNamespace(static_forward_context={}),
         )
@@ -120,6 +120,16 @@ class Step:
 
     def begin(self) -> None:
         runner_v2.begin_verify_step(self.runner, self.batch)
+
+
+def speculator_stub(trees: DDTree, row_of_state: torch.Tensor):
+    """A DDTreeSpeculator with the fields the runner reads and sets, no engine."""
+    from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.__dict__.update(trees=trees, tree_row_of_state=row_of_state, mapped_batch=None,
+                         _batch_rows=torch.arange(MAX_REQS), draft_attn_layer_names=set())
+    return spec
 
 
 def chain_parents(width: int) -> list[int]:
@@ -224,14 +234,38 @@ def test_bad_words_thinking_budgets_and_custom_processors_keep_requests_on_chain
     bad_words.num_bad_words = SimpleNamespace(np=np.zeros(MAX_REQS, dtype=np.int32))
     bad_words.num_bad_words.np[3] = 2
     sampler.logits_processors = [bad_words, object()]
-    sampler.needs_logits_processing[4] = True
+    sampler.needs_logits_processing[[3, 4, 1]] = True  # bad words; custom; thinking budget
     sampler.thinking_budget_state = SimpleNamespace(
         enabled=True, use_thinking_budget=np.zeros(MAX_REQS, dtype=bool))
     sampler.thinking_budget_state.use_thinking_budget[1] = True
     allowed = runner_v2.tree_allowed(sampler, np.array([5, 2, 3, 4, 6, 1]))
     assert allowed.tolist() == [True, False, False, False, True, False]
-    sampler.thinking_budget_state.enabled = False  # no reasoning config: nothing to count
+    sampler.logits_processors = [bad_words]
+    sampler.needs_logits_processing[4] = False  # no custom processor reads request 4
+    allowed = runner_v2.tree_allowed(sampler, np.array([5, 2, 3, 4, 6, 1]))
+    assert allowed.tolist() == [True, False, False, True, True, False]
+    # No reasoning config: vLLM counts no thinking tokens and marks nothing for them.
+    sampler.thinking_budget_state.enabled = False
+    sampler.needs_logits_processing[1] = False
     assert runner_v2.tree_allowed(sampler, np.array([1])).tolist() == [True]
+
+
+def test_a_batch_no_processor_reads_verifies_trees_without_asking_them():
+    """Where vLLM marks no request of the batch as needing logits processing, every
+    request verifies its tree and no processor's per-request state is read (a step's
+    host work: this runs at every verify step)."""
+
+    class Unread:
+        def __getattr__(self, name):
+            raise AssertionError(f"read {name}")
+
+    sampler = SimpleNamespace(needs_logits_processing=np.zeros(MAX_REQS, dtype=bool),
+                              penalties_state=Unread(), logits_processors=[Unread()],
+                              thinking_budget_state=Unread())
+    assert runner_v2.tree_allowed(sampler, np.array([5, 2, 7])).tolist() == [True] * 3
+    sampler.needs_logits_processing[2] = True
+    with pytest.raises(AssertionError, match="read use_penalty"):
+        runner_v2.tree_allowed(sampler, np.array([5, 2, 7]))
 
 
 def unused_token(tree_tokens: torch.Tensor) -> int:
@@ -314,12 +348,38 @@ def test_the_walk_returns_v2_sampler_output_and_compacts_the_path():
     assert out.num_sampled.tolist() == vllm_sampled.tolist()
     assert out.num_rejected.tolist() == vllm_rejected.tolist()
     # The outputs are the caller's: the next step's launches write the step buffers.
-    assert out.sampled_token_ids.data_ptr() != step.state.buffers.walk.output_tokens.data_ptr()
+    buffers = step.state.buffers.outputs.untyped_storage().data_ptr()
+    for t in (out.sampled_token_ids, out.num_sampled, out.num_rejected):
+        assert t.untyped_storage().data_ptr() != buffers and t.is_contiguous()
+    assert (out.num_sampled.dtype, out.num_rejected.dtype) == (torch.int32, torch.int32)
     assert out.num_rejected.tolist() == [width - len(path) - 1, width - 1, 0]
+    # The drafter's pass over this batch puts request i's tree in row i: mapped here.
+    spec = step.runner.speculator
+    assert spec.mapped_batch is step.batch
+    assert {s: r for s, r in enumerate(spec.tree_row_of_state.tolist()) if r >= 0} == {
+        5: 0, 2: 1, 7: 2}
     # Row d of A holds the state of the node accepted at depth d; positions are a chain.
     for depth, node in enumerate([0, *path]):
         assert hidden[depth, 0] == node and aux[depth, 0] == node + 100
     assert step.batch.positions.tolist() == step.positions0
+
+
+def test_the_samplers_row_inputs_are_the_batchs_rows_when_every_row_is_a_logits_row():
+    """Position and token id of each logits row: gathered by logits_indices in a step
+    with a prefill chunk (C's rows before its last), the batch's leading rows as they
+    are (no gather) when every query row is a logits row."""
+    batch = Step().batch
+    positions, input_ids = runner_v2.logits_row_inputs(batch)
+    assert positions.tolist() == batch.positions[batch.logits_indices].tolist()
+    assert input_ids.tolist() == batch.input_ids[batch.logits_indices].tolist()
+    steady = SimpleNamespace(
+        num_reqs=2, cu_num_logits_np=np.array([0, 7, 14]), query_start_loc_np=np.array([0, 7, 14]),
+        positions=torch.arange(16), input_ids=torch.arange(16, dtype=torch.int32) + 50,
+        logits_indices=torch.arange(14))
+    positions, input_ids = runner_v2.logits_row_inputs(steady)
+    assert positions.tolist() == list(range(14)) and input_ids.tolist() == list(range(50, 64))
+    assert positions.data_ptr() == steady.positions.data_ptr()
+    assert input_ids.data_ptr() == steady.input_ids.data_ptr()
 
 
 def test_logprob_rows_follow_the_accepted_path():
@@ -375,7 +435,7 @@ def test_speculator_builds_trees_in_its_pass_and_maps_states_to_rows(monkeypatch
             [11, 0, 0, 0, 12, 0, 0, 0, 13, 0, 0, 0], dtype=torch.int32)),
         _root_rows=torch.arange(MAX_REQS) * BLOCK,
         trees=Step().trees_buffer, tree_row_of_state=torch.zeros(MAX_REQS, dtype=torch.int64),
-        _batch_rows=torch.arange(MAX_REQS),
+        _batch_rows=torch.arange(MAX_REQS), mapped_batch=None,
         _run_model=lambda *args: torch.zeros(num_reqs * BLOCK, 4),
         draft_logprobs=lambda hidden, n: logprobs,
     )
@@ -389,6 +449,18 @@ def test_speculator_builds_trees_in_its_pass_and_maps_states_to_rows(monkeypatch
     drafts = DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=BUDGET)
     assert torch.equal(drafts, expected.tokens[:, 1:])
     assert spec.tree_row_of_state.tolist() == [-1, 1, -1, -1, 2, -1, 0, -1]
+    # After a tree step the runner's walk mapped this batch already: no launches here.
+    mapped = []
+    spec.map_batch = mapped.append
+    spec.tree_row_of_state.fill_(7)
+    spec.mapped_batch = batch
+    DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=BUDGET)
+    assert mapped == [] and spec.mapped_batch is None
+    assert spec.tree_row_of_state.tolist() == [7] * MAX_REQS
+    spec.mapped_batch = SimpleNamespace(num_reqs=num_reqs, idx_mapping=batch.idx_mapping)
+    DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=BUDGET)  # another batch
+    assert [t.tolist() for t in mapped] == [[6, 1, 4]]
+    del spec.map_batch
     DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=0)  # no drafts asked for
     assert spec.tree_row_of_state.tolist() == [-1] * MAX_REQS
     DDTreeSpeculator.propose(spec, batch, dummy_run=True)
@@ -461,3 +533,25 @@ def test_replayed_steps_read_each_steps_inputs_and_vllms_rotating_buffers():
     assert outs[1][0].num_sampled.tolist() == [len(path) + 1, 1, 0]
     assert outs[2][0].num_sampled.tolist() == [len(path) + 1, 1, 1]  # C's prompt done
     assert outs[2][0].num_rejected.tolist()[2] == 0  # one logits row, one token
+
+
+@pytest.mark.parametrize("num_reqs", [1, 2, 3, 5, MAX_REQS])
+def test_the_step_outputs_are_one_block_of_aligned_disjoint_parts(num_reqs):
+    """The walk writes the output tokens and both counts into one block (one clone
+    hands them to vLLM); each part starts at a 16-byte boundary, as the kernels'
+    warm-up compiled them, and no two overlap."""
+    buffers = runner_v2.StepBuffers.allocate(ddtree_config(), MAX_REQS, MAX_TOKENS,
+                                             torch.device("cpu"))
+    width = BUDGET + 1
+    views = buffers.views(num_reqs, width)
+    parts = runner_v2.split_outputs(views.outputs, num_reqs, width)
+    assert parts[0].data_ptr() == views.walk.output_tokens.data_ptr()
+    assert parts[1].data_ptr() == views.num_sampled.data_ptr()
+    assert parts[2].data_ptr() == views.num_rejected.data_ptr()
+    assert [p.shape for p in parts] == [(num_reqs, width), (num_reqs,), (num_reqs,)]
+    assert all(p.data_ptr() % 16 == 0 for p in parts)
+    views.outputs.fill_(-1)
+    parts[0].fill_(1), parts[1].fill_(2), parts[2].fill_(3)
+    assert parts[0].eq(1).all() and parts[1].eq(2).all() and parts[2].eq(3).all()
+    end = views.outputs.data_ptr() + views.outputs.numel() * 8
+    assert parts[2].data_ptr() + num_reqs * 4 <= end

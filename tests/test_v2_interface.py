@@ -214,3 +214,29 @@ def test_the_step_graphs_inputs_stay_put_or_are_in_their_signature():
     assert "seq_lens = self.input_buffers.seq_lens[" in source
     assert "query_start_loc = self.input_buffers.query_start_loc" in source
     assert "self.gpu = self.pool.copy_to_uva(" in inspect.getsource(UvaBackedTensor)
+
+
+def test_what_the_steps_host_shortcuts_assume():
+    """runner_v2's per-step shortcuts rest on three facts of vLLM 0.33's V2 runner:
+    every request a logits processor or thinking budget reads is marked in
+    ``needs_logits_processing`` (tree_allowed's fast path); a request's logits rows
+    are its last query rows, in order (logits_row_inputs' slices); and the drafter's
+    pass that follows the sampler drafts over the sampler's batch (the walk graph maps
+    the speculator's rows for it)."""
+    import re
+
+    from vllm.v1.worker.gpu import input_batch as batch_module
+    from vllm.v1.worker.gpu import model_runner as v2
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    add = inspect.getsource(Sampler.add_request)
+    assert "needs_processing |= processor.add_request(req_idx, sampling_params)" in add
+    assert "needs_processing |= self.thinking_budget_state.add_request(" in add
+    assert "self.needs_logits_processing[req_idx] = needs_processing" in add
+    kernel = batch_module._combine_sampled_and_draft_tokens_kernel
+    kernel = inspect.getsource(getattr(kernel, "fn", kernel))  # a Triton JIT function, or not
+    assert "logits_start = query_end - num_logits" in kernel
+    assert "logits_indices_ptr + cu_num_logits_start + block" in kernel
+    tokens = inspect.getsource(v2.GPUModelRunner.sample_tokens)
+    assert re.search(r"self\.speculator\.propose\(\s*input_batch,", tokens)
+    assert tokens.count("self.sample(") == 1 and tokens.count("self.speculator.propose(") == 1

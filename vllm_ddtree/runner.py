@@ -210,17 +210,48 @@ def step_attention_info(
     """What the attention metadata builders see of a verify step (host data only):
     each request's tree rows end its query rows, and a request without drafts has
     none."""
+    return TreeAttentionInfo(**_attention_info_fields(tree, query_start_host, num_draft,
+                                                      buffer))
+
+
+def _attention_info_fields(tree: DDTree, query_start_host: np.ndarray,
+                           num_draft: np.ndarray, buffer: torch.Tensor) -> dict[str, Any]:
     num_reqs, width = tree.tokens.shape
     has_tree = num_draft > 0
-    return TreeAttentionInfo(
-        tree_mask=tree.ancestor_mask,
-        row_start=torch.from_numpy(query_start_host[1:] - num_draft - 1),
-        num_rows=torch.from_numpy(np.where(has_tree, num_draft + 1, 0)),
-        tree_reqs=np.flatnonzero(has_tree).tolist(),
-        all_rows_are_tree_rows=bool((np.diff(query_start_host) == num_draft + 1).all()),
-        packed_mask=packed_view(buffer, num_reqs, width),
-        mask_buffer=buffer,
-    )
+    all_rows = bool((np.diff(query_start_host) == num_draft + 1).all())
+    return {
+        "tree_mask": tree.ancestor_mask,
+        "row_start": torch.from_numpy(query_start_host[1:] - num_draft - 1),
+        "num_rows": torch.from_numpy(np.where(has_tree, num_draft + 1, 0)),
+        "tree_reqs": np.flatnonzero(has_tree).tolist(),
+        "all_rows_are_tree_rows": all_rows,
+        "uniform_query_len": width if all_rows and num_reqs and
+                             bool((num_draft == width - 1).all()) else 0,
+        "packed_mask": packed_view(buffer, num_reqs, width),
+        "mask_buffer": buffer,
+    }
+
+
+class StepAttentionInfos:
+    """step_attention_info for the V2 runner, whose step trees are views that stay
+    put from step to step: in steady decoding every step has the same query offsets
+    and draft counts, so the host-side fields are made once and reused while the
+    layout repeats. Each step still gets a TreeAttentionInfo of its own (its launch
+    plans and prepared state are that step's)."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._fields: dict[str, Any] = {}
+
+    def __call__(self, tree: DDTree, query_start_host: np.ndarray, num_draft: np.ndarray,
+                 buffer: torch.Tensor) -> TreeAttentionInfo:
+        key = (id(tree.ancestor_mask), id(buffer), query_start_host.tobytes(),
+               num_draft.tobytes())
+        if key != self._key:
+            self._fields = _attention_info_fields(tree, query_start_host, num_draft, buffer)
+            # The tensors named by id are held in _fields: their ids stay theirs.
+            self._key = key
+        return TreeAttentionInfo(**self._fields)
 
 
 def capture_attention_info(

@@ -55,10 +55,10 @@ from vllm_ddtree.attention.state import (
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.runner import (
     KVGroup,
+    StepAttentionInfos,
     compact_accepted,
     compaction_slot_mappings,
     log_graph_coverage,
-    step_attention_info,
 )
 from vllm_ddtree.sampler import TreeVerifyStep
 from vllm_ddtree.step_graphs import StepGraphs, enabled_by_env
@@ -80,11 +80,35 @@ class StepViews:
 
     tree: DDTree  # [num_reqs, width] per field, row-major
     num_scheduled: torch.Tensor  # [num_reqs] int64
+    row_start: torch.Tensor  # [num_reqs] int64
     idx_mapping: torch.Tensor  # [num_reqs] int64
     cu_num_logits: torch.Tensor  # [num_reqs + 1] int32
     walk: WalkResult  # [num_reqs, ...]
-    num_sampled: torch.Tensor  # [num_reqs] int32
-    num_rejected: torch.Tensor  # [num_reqs] int32
+    # int64: the walk's output tokens [num_reqs, width], then num_sampled and
+    # num_rejected as int32 (split_outputs); one clone hands all three to vLLM.
+    outputs: torch.Tensor
+    num_sampled: torch.Tensor  # [num_reqs] int32, a view of `outputs`
+    num_rejected: torch.Tensor  # [num_reqs] int32, a view of `outputs`
+
+
+def split_outputs(outputs: torch.Tensor, num_reqs: int, width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output tokens [num_reqs, width] int64, num_sampled [num_reqs] int32,
+    num_rejected [num_reqs] int32): views of an int64 block laid out as
+    StepViews.outputs, each part at a 16-byte boundary (Triton specializes its
+    kernels on pointer alignment: the warm-up's variants)."""
+    sampled, rejected, end = _output_offsets(num_reqs, width)
+    tokens = outputs[: num_reqs * width].view(num_reqs, width)
+    num_sampled = outputs[sampled:rejected].view(torch.int32)[:num_reqs]
+    return tokens, num_sampled, outputs[rejected:end].view(torch.int32)[:num_reqs]
+
+
+def _output_offsets(num_reqs: int, width: int) -> tuple[int, int, int]:
+    """Where num_sampled and num_rejected start in StepViews.outputs, and where the
+    block ends (int64 elements; each part rounded up to two)."""
+    counts = 2 * -(-num_reqs // 4)  # num_reqs int32s, in int64s rounded up to two
+    sampled = 2 * -(-(num_reqs * width) // 2)
+    return sampled, sampled + counts, sampled + 2 * counts
 
 
 @dataclass
@@ -94,12 +118,13 @@ class StepBuffers:
 
     trees: DDTree  # [max_num_reqs, budget + 1] per field: the trees the step verifies
     num_scheduled: torch.Tensor  # [max_num_reqs] int64, drafts sent per request
+    row_start: torch.Tensor  # [max_num_reqs] int64, each request's root row
     idx_mapping: torch.Tensor  # [max_num_reqs] int64, a copy of the batch's state indices
     cu_num_logits: torch.Tensor  # [max_num_reqs + 1] int32, a copy of the batch's
     row_tokens: torch.Tensor  # [max_num_tokens] int64, a copy of the target's tokens
-    walk: WalkResult  # [max_num_reqs, ...] the walk's outputs
-    num_sampled: torch.Tensor  # [max_num_reqs] int32, tokens committed per request
-    num_rejected: torch.Tensor  # [max_num_reqs] int32, logits rows not committed
+    walk: WalkResult  # [max_num_reqs, ...] the walk's outputs; output_tokens in `outputs`
+    # int64, room for StepViews.outputs' layout at every step size.
+    outputs: torch.Tensor
     max_depth: int
     _views: dict[tuple[int, int], StepViews] = field(default_factory=dict)
 
@@ -109,14 +134,19 @@ class StepBuffers:
         views = self._views.get((num_reqs, width))
         if views is None:
             device = self.num_scheduled.device
+            outputs = self.outputs[: _output_offsets(num_reqs, width)[2]]
+            _, num_sampled, num_rejected = split_outputs(outputs, num_reqs, width)
             views = self._views[(num_reqs, width)] = StepViews(
                 tree=DDTree(*tree_outputs(num_reqs, width, device, self.trees)),
                 num_scheduled=self.num_scheduled[:num_reqs],
+                row_start=self.row_start[:num_reqs],
                 idx_mapping=self.idx_mapping[:num_reqs],
                 cu_num_logits=self.cu_num_logits[: num_reqs + 1],
+                # The walk writes its output tokens into the first num_reqs * width.
                 walk=walk_buffers(num_reqs, width, self.max_depth, device, self.walk),
-                num_sampled=self.num_sampled[:num_reqs],
-                num_rejected=self.num_rejected[:num_reqs],
+                outputs=outputs,
+                num_sampled=num_sampled,
+                num_rejected=num_rejected,
             )
         return views
 
@@ -124,9 +154,11 @@ class StepBuffers:
     def allocate(cls, ddtree: DDTreeConfig, max_num_reqs: int, max_num_tokens: int,
                  device: torch.device) -> StepBuffers:
         width, i64 = ddtree.verify_width, {"dtype": torch.int64, "device": device}
+        outputs = torch.zeros(_output_offsets(max_num_reqs, width)[2], **i64)
         return cls(
             trees=DDTree.zeros(max_num_reqs, width, device),
             num_scheduled=torch.zeros(max_num_reqs, **i64),
+            row_start=torch.zeros(max_num_reqs, **i64),
             idx_mapping=torch.zeros(max_num_reqs, **i64),
             cu_num_logits=torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device),
             row_tokens=torch.zeros(max_num_tokens, **i64),
@@ -134,10 +166,9 @@ class StepBuffers:
                 accepted_nodes=torch.zeros(max_num_reqs, ddtree.max_depth + 1, **i64),
                 num_accepted=torch.zeros(max_num_reqs, **i64),
                 bonus_tokens=torch.zeros(max_num_reqs, **i64),
-                output_tokens=torch.zeros(max_num_reqs, width, **i64),
+                output_tokens=outputs[: max_num_reqs * width].view(max_num_reqs, width),
             ),
-            num_sampled=torch.zeros(max_num_reqs, dtype=torch.int32, device=device),
-            num_rejected=torch.zeros(max_num_reqs, dtype=torch.int32, device=device),
+            outputs=outputs,
             max_depth=ddtree.max_depth,
         )
 
@@ -150,12 +181,13 @@ class DDTreeV2State:
     # Persistent packed ancestor masks, [max_num_reqs, budget + 1, words] int32:
     # the tree kernel in a full CUDA graph of the verify step reads them here.
     mask_buffer: torch.Tensor
-    # Each request's root row, [max_num_reqs] int64, written at every verify step.
-    row_start_buffer: torch.Tensor
     buffers: StepBuffers
     # The step's launches before the target (the trees) and after it (walk, compaction).
     graphs_before: StepGraphs
     graphs_after: StepGraphs
+    # What the attention builders see of each step, its host side kept while the
+    # batch's layout repeats.
+    attn_infos: StepAttentionInfos = field(default_factory=StepAttentionInfos)
     step: TreeVerifyStep | None = None
     attn_info: TreeAttentionInfo | None = None
     # The step goes to vLLM's rejection sampler as chains (structured outputs).
@@ -176,7 +208,6 @@ class DDTreeV2State:
         return cls(
             ddtree=ddtree,
             mask_buffer=mask_buffer(max_num_reqs, ddtree.verify_width, device),
-            row_start_buffer=torch.zeros(max_num_reqs, dtype=torch.int64, device=device),
             buffers=StepBuffers.allocate(ddtree, max_num_reqs, max_num_tokens, device),
             graphs_before=StepGraphs(device, "tree layout", graphs),
             graphs_after=StepGraphs(device, "walk and compaction", graphs),
@@ -277,8 +308,8 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
     # vLLM makes these two anew each step; the step's launches read copies that stay put.
     buffers = state.buffers.views(num_reqs, width)
     idx_mapping, cu_num_logits = buffers.idx_mapping, buffers.cu_num_logits
-    idx_mapping.copy_(input_batch.idx_mapping[:num_reqs], non_blocking=True)
-    cu_num_logits.copy_(input_batch.cu_num_logits[: num_reqs + 1], non_blocking=True)
+    idx_mapping.copy_(_leading(input_batch.idx_mapping, num_reqs), non_blocking=True)
+    cu_num_logits.copy_(_leading(input_batch.cu_num_logits, num_reqs + 1), non_blocking=True)
     speculator = runner.speculator
     trees = index = state_rows = None
     if allowed.all():  # the launch maps each request's state to its tree row
@@ -288,8 +319,7 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
         mask = to_device(torch.from_numpy(allowed), runner.device)
         trees, index = speculator.trees, torch.where(mask, rows, -1)
     # Drafts per request come from the logits rows (one per draft, plus the bonus).
-    num_scheduled, tree = buffers.num_scheduled, buffers.tree
-    row_start = state.row_start_buffer[:num_reqs]
+    num_scheduled, tree, row_start = buffers.num_scheduled, buffers.tree, buffers.row_start
     input_ids, query_start_loc = input_batch.input_ids, input_batch.query_start_loc
 
     def launch() -> None:
@@ -309,14 +339,24 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
         launch()
     state.step = TreeVerifyStep(tree=tree, num_scheduled=num_scheduled, row_start=row_start,
                                 max_depth=state.ddtree.max_depth)
-    state.attn_info = step_attention_info(tree, query_start, num_draft, state.mask_buffer)
+    state.attn_info = state.attn_infos(tree, query_start, num_draft, state.mask_buffer)
+
+
+def _leading(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[:n]``, without a slice where ``t`` has just ``n`` rows (a step's host work)."""
+    return t if t.shape[0] == n else t[:n]
 
 
 def tree_allowed(sampler, idx_mapping_np: np.ndarray) -> np.ndarray:
     """Per request (by state index): may it verify a tree? Not where a logits
     processor reads the drafts before a row as that row's history (penalties, bad
     words, a thinking budget; custom processors, whose reading is unknown): a tree's rows would see
-    their preorder neighbours instead of their ancestors."""
+    their preorder neighbours instead of their ancestors. vLLM marks each of those
+    requests in ``needs_logits_processing`` (Sampler.add_request), so a batch with
+    none marked is all trees without a look at each processor."""
+    needs_processing = sampler.needs_logits_processing[idx_mapping_np]
+    if not needs_processing.any():
+        return np.ones(len(idx_mapping_np), dtype=bool)
     allowed = ~sampler.penalties_state.use_penalty[idx_mapping_np]
     thinking = getattr(sampler, "thinking_budget_state", None)
     if getattr(thinking, "enabled", False):  # counts thinking tokens in the drafts before a row
@@ -325,7 +365,7 @@ def tree_allowed(sampler, idx_mapping_np: np.ndarray) -> np.ndarray:
         if isinstance(proc, BadWordsState):
             allowed &= proc.num_bad_words.np[idx_mapping_np] == 0
         elif not isinstance(proc, (LogitBiasState, PenaltiesState)):
-            allowed &= ~sampler.needs_logits_processing[idx_mapping_np]
+            allowed &= ~needs_processing
     return allowed
 
 
@@ -356,11 +396,10 @@ class DDTreeV2Sampler:
         # vLLM's sampler gives the target's token at every logits row. A tree node at
         # depth d sits at position root + d, so its sample is keyed (seed, position)
         # as the token at that position is in plain decoding.
-        indices = input_batch.logits_indices
+        positions, input_ids = logits_row_inputs(input_batch)
         row_tokens, processed = sampler.sample(
             logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
-            input_batch.idx_mapping_np, input_batch.positions[indices],
-            input_batch.input_ids[indices], input_batch.expanded_local_pos,
+            input_batch.idx_mapping_np, positions, input_ids, input_batch.expanded_local_pos,
             input_batch.seq_lens_cpu_upper_bound.numpy(),
             return_logprobs=logprobs_dims is not None,
         )
@@ -398,6 +437,7 @@ class DDTreeV2Sampler:
         tokens.copy_(row_tokens.view(-1), non_blocking=True)
         num_sampled, num_rejected = buffers.num_sampled, buffers.num_rejected
         step.walk = buffers.walk
+        speculator = self.runner.speculator
         # vLLM's rule for requests still prefilling their prompt (they commit nothing).
         # prefill_len.gpu is one of a few UVA buffers that vLLM rotates as requests
         # arrive: like every tensor here that is not the runner's own, it is part of
@@ -419,12 +459,28 @@ class DDTreeV2Sampler:
             if exec_state is not None:  # the accepted paths as chains, for vLLM and the drafter
                 compact_accepted(self.runner, state, step, slot_mappings, states,
                                  input_batch.input_ids, input_batch.positions)
+            # The drafter's pass over this batch, next, puts request i's tree in row i.
+            speculator.map_batch(buffers.idx_mapping)
 
         key = (num_reqs, width, tokens.shape[0], exec_state is not None, len(touched))
         state.graphs_after.run(key, touched, launch)
+        speculator.mapped_batch = input_batch
         # vLLM copies these to the host on another stream: copies of their own, which
-        # the next step's replay does not overwrite.
-        return step.walk.output_tokens.clone(), num_sampled.clone(), num_rejected.clone()
+        # the next step's replay does not overwrite (one launch for the three).
+        return split_outputs(buffers.outputs.clone(), num_reqs, width)
+
+
+def logits_row_inputs(input_batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position, token id) of each logits row, the sampler's ``pos`` and
+    ``input_ids``. In a step whose every query row is a logits row (each request
+    verifying all it sent, the steady state) the logits rows are the token rows in
+    order, and the batch's own leading rows serve, with no gather."""
+    num_reqs = input_batch.num_reqs
+    num_logits = int(input_batch.cu_num_logits_np[num_reqs])
+    if num_logits == int(input_batch.query_start_loc_np[num_reqs]):
+        return input_batch.positions[:num_logits], input_batch.input_ids[:num_logits]
+    indices = input_batch.logits_indices
+    return input_batch.positions[indices], input_batch.input_ids[indices]
 
 
 def _path_rows(rows: torch.Tensor, walk, sampled: torch.Tensor, input_batch: InputBatch):

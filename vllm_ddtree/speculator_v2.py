@@ -16,6 +16,9 @@ also how many context rows per request the drafter's graph stores.
 The trees of the last pass stay in persistent buffers, in that pass's batch
 order, with ``tree_row_of_state`` mapping each request's state index to its
 row; the runner (runner_v2.begin_verify_step) reads them at the next verify.
+After a tree step the runner's walk graph has made that mapping already
+(``map_batch``, for the batch the pass then drafts over: ``mapped_batch``), which
+saves the pass two launches.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Request state index -> its row in `trees` (-1: no tree from the last pass).
         self.tree_row_of_state = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self._batch_rows = torch.arange(rows, dtype=torch.int64, device=device)
+        # The batch whose order tree_row_of_state holds already (runner_v2 sets it
+        # after its walk graph ran map_batch over that batch); cleared by propose.
+        self.mapped_batch: Any = None
         # Query row of each request's bonus token in the drafter's batch.
         self._root_rows = self._batch_rows * self.num_query_per_req
         logger.info("DDTree drafting on the V2 model runner: drafter width %d, "
@@ -90,19 +96,28 @@ class DDTreeSpeculator(DFlashSpeculator):
         for field in ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes"):
             getattr(self.trees, field)[:num_reqs].copy_(getattr(tree, field))
 
+    def map_batch(self, idx_mapping: torch.Tensor) -> None:
+        """``tree_row_of_state`` for a pass over a batch of these state indices
+        (``[num_reqs]`` int64, batch order): state ``idx_mapping[i]`` -> row i, every
+        other state -> -1 (no tree). No host sync: a CUDA graph may hold it."""
+        self.tree_row_of_state.fill_(-1)
+        self.tree_row_of_state.index_copy_(0, idx_mapping,
+                                           self._batch_rows[: idx_mapping.shape[0]])
+
     def propose(self, input_batch, *args: Any, **kwargs: Any) -> torch.Tensor:
         """DFlash's pass; returns the trees' ``[num_reqs, budget]`` draft tokens in node
         order (preorder: parents before children), a view of ``trees.tokens``."""
         dummy = kwargs.get("dummy_run", False)
         built = kwargs.get("num_speculative_tokens") != 0
+        mapped, self.mapped_batch = self.mapped_batch, None
         super().propose(input_batch, *args, **kwargs)
         num_reqs = input_batch.num_reqs
         dp_sync_state = kwargs.get("dp_sync_state")
         if dummy and dp_sync_state is not None:
             num_reqs = min(num_reqs, dp_sync_state.num_reqs)
-        self.tree_row_of_state.fill_(-1)
         if built and not dummy and num_reqs > 0:
-            self.tree_row_of_state.index_copy_(
-                0, input_batch.idx_mapping[:num_reqs], self._batch_rows[:num_reqs]
-            )
+            if mapped is not input_batch:
+                self.map_batch(input_batch.idx_mapping[:num_reqs])
+        else:
+            self.tree_row_of_state.fill_(-1)
         return self.trees.tokens[:num_reqs, 1:]

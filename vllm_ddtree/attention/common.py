@@ -28,6 +28,12 @@ class TreeMetadataBuilderMixin:
         if tree is None or not tree.tree_reqs:
             return metadata
         tree.prepare_for(metadata.query_start_loc.device)
+        if type(metadata) is self.metadata_cls.__base__:
+            # The parent's metadata as it is plus the tree, without a second pass
+            # through the dataclass's __init__ (this runs at every verify step).
+            with_tree = object.__new__(self.metadata_cls)
+            with_tree.__dict__.update(metadata.__dict__, tree=tree)
+            return with_tree
         values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
         return self.metadata_cls(**values, tree=tree)
 

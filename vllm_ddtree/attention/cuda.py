@@ -343,7 +343,12 @@ class DDTreeFlashAttentionMetadataBuilder(
                                 max_num_splits):
         tree = current_tree()
         if aot_schedule and tree is not None and tree.skips_parent_attention:
-            seqlens = seqlens - cu_query_lens.diff()  # keys before each request's tree
+            # Keys before each request's tree: its seq_len less its query rows (one
+            # launch where every request has the same number, steady decoding).
+            if tree.uniform_query_len and batch_size == tree.num_reqs:
+                seqlens = seqlens - tree.uniform_query_len
+            else:
+                seqlens = seqlens - cu_query_lens.diff()
             causal = False
             self._prefix_scheduled_reqs = batch_size
         return super()._get_scheduler_metadata(

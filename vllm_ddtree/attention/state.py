@@ -38,6 +38,9 @@ class TreeAttentionInfo:
     # Every query row of the batch belongs to a tree (a decode request without
     # drafts is a root-only tree): CUDA backends then skip their own kernel.
     all_rows_are_tree_rows: bool = False
+    # Every request's query rows are this many tree rows (0: not so): FLASH_ATTN's
+    # builder then takes each prefix length as seq_len less this, in one launch.
+    uniform_query_len: int = 0
     # Made once per step by prepare_for on the metadata's device (or given, packed
     # already), shared by all layers.
     packed_mask: torch.Tensor | None = None  # [num_reqs, width, ceil(width / 32)] int32
