@@ -501,11 +501,15 @@ def test_causal_info_is_causal_attention():
         causal_attention_info(batch.metadata.query_start_loc, 3)
 
 
-@pytest.mark.parametrize("builder", [
+# Every DDTree metadata builder, by backend.
+EVERY_BUILDER = pytest.mark.parametrize("builder", [
     cuda.DDTreeFlashAttentionMetadataBuilder,
     cuda.DDTreeTritonAttentionMetadataBuilder,
     cpu.DDTreeCPUAttentionMetadataBuilder,
 ], ids=["FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"])
+
+
+@EVERY_BUILDER
 def test_metadata_classes_carry_the_tree(builder):
     """Each backend's metadata class is its parent's dataclass plus ``tree``, so the
     mixin can rebuild the parent's metadata with the tree attached."""
@@ -517,11 +521,7 @@ def test_metadata_classes_carry_the_tree(builder):
     assert "tree" in inspect.signature(metadata_cls).parameters
 
 
-@pytest.mark.parametrize("builder", [
-    cuda.DDTreeFlashAttentionMetadataBuilder,
-    cuda.DDTreeTritonAttentionMetadataBuilder,
-    cpu.DDTreeCPUAttentionMetadataBuilder,
-], ids=["FLASH_ATTN", "TRITON_ATTN", "CPU_ATTN"])
+@EVERY_BUILDER
 def test_the_tree_is_attached_to_the_parents_metadata_as_built(builder):
     """The mixin attaches the tree without a second dataclass __init__ (every verify
     step): the result equals the parent's metadata rebuilt field by field with the

@@ -114,7 +114,8 @@ def block_after_file(text: str, name: str) -> tuple[list[str], list[list[str]]]:
                                   *(f"e2e_h200_6506348_{run}.json" for run in (1, 2, 3, 4)),
                                   "e2e_h200_interleave_1.json", "e2e_h200_interleave_2.json",
                                   "e2e_h200_stepgraphs.json",
-                                  *(f"e2e_h200_17379b3_{run}.json" for run in (1, 2, 3))])
+                                  *(f"e2e_h200_17379b3_{run}.json" for run in (1, 2, 3)),
+                                  "e2e_h200_b89fd64.json", "e2e_h200_b89fd64_2.json"])
 def test_bench_readme_runner_tables_are_the_results_files(name):
     """benchmarks/README.md's H200 runs: tau, tok/s and the ratios to the rows named in
     the heading's "x <row>" columns (same temperature and batch) are the file's."""
@@ -385,11 +386,19 @@ def test_readme_graph_coverage_ratios_are_the_results_files():
 
 
 POOLED = "e2e_h200_stepgraphs_pooled.json"
+LATEST_POOLED = "e2e_h200_b89fd64_pooled.json"
 POOL_HEADING = "method               T batch runs rounds  median"
 
 
-def test_pooled_step_graph_runs_are_what_pool_computes_from_their_files(tmp_path, monkeypatch):
-    """The pooled file is bench_e2e's --pool of the files it names (so a re-run or an
+def pooled_table_after(doc: str, name: str) -> list[list[str]]:
+    """Rows of the first pooled table (--pool's heading) after ``results/<name>``."""
+    start = doc.index(f"results/{name}")
+    return block_after(doc[start:], POOL_HEADING)
+
+
+@pytest.mark.parametrize("name", [POOLED, LATEST_POOLED])
+def test_pooled_runs_are_what_pool_computes_from_their_files(name, tmp_path, monkeypatch):
+    """A pooled file is bench_e2e's --pool of the files it names (so a re-run or an
     edited input shows), and both READMEs' pooled tables are its rows as --pool prints
     them."""
     import sys
@@ -397,13 +406,13 @@ def test_pooled_step_graph_runs_are_what_pool_computes_from_their_files(tmp_path
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_e2e
 
-    saved = json.loads((RESULTS / POOLED).read_text())
+    saved = json.loads((RESULTS / name).read_text())
     monkeypatch.chdir(RESULTS)  # the file names its inputs relative to benchmarks/results
     again = bench_e2e.pool([Path(f) for f in saved["files"]], tmp_path / "p.json",
                            saved["target"])
     assert json.loads((tmp_path / "p.json").read_text()) == saved
     for doc in (README, BENCH_README):
-        rows = block_after(doc, POOL_HEADING)
+        rows = pooled_table_after(doc, name)
         assert len(rows) == len(again["rows"])
         for cells, r in zip(rows, again["rows"], strict=True):
             want = [r["method"], f"{r['temperature']:.1f}", str(r["batch"]),
@@ -450,3 +459,65 @@ def test_pooled_run_claims_are_the_results_files():
         r = ratio[method]
         assert f"{min(r):.2f}-{max(r):.2f}x the chain's at budget {budget}" in bench_text or (
             f"{min(r):.2f}-{max(r):.2f}x at budget {budget}" in bench_text), method
+
+
+LATEST_RUNS = ("e2e_h200_b89fd64.json", "e2e_h200_b89fd64_2.json")
+NUMBER_WORDS = {2: "two", 3: "three", 4: "four"}
+
+
+def test_readme_trimmed_host_work_table_is_the_results_files():
+    """README's batch-1 rows of the b89fd64 runs: tau, tok/s, ms per step (two
+    decimals) and the ratio to the chain of the same run and temperature."""
+    runs = {str(i): results_rows(name) for i, name in enumerate(LATEST_RUNS, start=1)}
+    rows = block_after(README, "run  method            T    tau   tok/s   ms per step   x chain")
+    assert {(run, method, t) for run, method, t, *_ in rows} == {
+        (run, method, t) for run, res in runs.items() for method in res for t in "01"}
+    for run, method, t, tau, tok_s, ms, x_chain in rows:
+        r, chain = row_at(runs[run][method], float(t), 1), row_at(runs[run]["chain"], float(t), 1)
+        assert float(tau) == round(r["tau"], 2) and int(tok_s) == round(r["tok_per_s"])
+        assert ms == f"{1000 * r['seconds'] / r['steps']:.2f}", (run, method, t)
+        assert x_chain == f"{r['tok_per_s'] / chain['tok_per_s']:.2f}", (run, method, t)
+
+
+def test_where_it_stands_is_the_latest_runs():
+    """The summary at the head of README's real-pair section (and benchmarks/README's
+    reading of the same runs): step-cost ratios and times, tau and its ratio, and the
+    pooled medians, run medians, interval and share of rounds at 1.3x."""
+    method = "ddtree-b16-knone"
+    runs = [results_rows(name) for name in LATEST_RUNS]
+    pooled = {(r["method"], r["temperature"], r["batch"]): r
+              for r in json.loads((RESULTS / LATEST_POOLED).read_text())["rows"]}
+    b1 = pooled[method, 0.0, 1]
+
+    def ms(res, m):
+        r = greedy(res[m], 1)
+        return 1000 * r["seconds"] / r["steps"]
+
+    step_ratio = [ms(res, method) / ms(res, "chain") for res in runs]
+    ddtree_ms, chain_ms = [ms(res, method) for res in runs], [ms(res, "chain") for res in runs]
+    taus = {round(greedy(res[m], 1)["tau"], 2) for res in runs for m in (method, "chain")}
+    tau, chain_tau = greedy(runs[0][method], 1)["tau"], greedy(runs[0]["chain"], 1)["tau"]
+    assert taus == {round(tau, 2), round(chain_tau, 2)}  # the same in both runs
+    medians = [run["median"] for run in b1["runs"]]
+    text = " ".join(README.split())
+    said = (
+        f"a DDTree step costs {min(step_ratio):.2f}-{max(step_ratio):.2f}x the chain's "
+        f"({min(ddtree_ms):.2f}-{max(ddtree_ms):.2f} ms against "
+        f"{min(chain_ms):.2f}-{max(chain_ms):.2f})",
+        f"commits {tau / chain_tau:.2f}x the chain's tokens per step at T=0 (tau {tau:.2f} "
+        f"against {chain_tau:.2f})",
+        f"its tokens/s are {b1['median']:.2f}x the chain's: the median of {b1['rounds']} "
+        f"paired rounds over {NUMBER_WORDS[len(b1['runs'])]} runs",
+        "run medians {:.2f}x and {:.2f}x, 90% interval {:.2f}-{:.2f}x, {:.0%} of rounds at "
+        "1.3x or more".format(*medians, *b1["interval_90"], b1["share_at_target"]),
+        f"At T=1, batch 1, the same runs give {pooled[method, 1.0, 1]['median']:.2f}x; at "
+        f"batch 8, {pooled[method, 0.0, 8]['median']:.2f}x (T=0) and "
+        f"{pooled[method, 1.0, 8]['median']:.2f}x (T=1)",
+    )
+    for phrase in said:
+        assert phrase in text, phrase
+    assert b1["median"] >= 1.3 and "The 1.3x target is met." in text
+    bench = " ".join(BENCH_README.split())
+    assert (f"costs {step_ratio[0]:.2f}x and {step_ratio[1]:.2f}x the chain's "
+            f"({ddtree_ms[0]:.2f} against {chain_ms[0]:.2f} ms, {ddtree_ms[1]:.2f} against "
+            f"{chain_ms[1]:.2f};") in bench

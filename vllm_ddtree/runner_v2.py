@@ -17,7 +17,9 @@ four points (patches._patch_v2_model_runner):
    position), walks the trees, and compacts the accepted path (KV rows, hidden
    and aux hidden states, positions) so that vLLM's bookkeeping and the
    drafter's next pass see a chain step with k accepted drafts;
-4. after drafting: the speculator maps request states to their new trees.
+4. the drafter's pass over the same batch puts request i's tree in row i; the walk's
+   graph in 3 has mapped request states to those rows already (after any other step
+   the speculator maps them itself).
 
 In engines with CUDA graphs, the launches of 2 and of the walk and compaction in 3
 replay as one graph each per batch shape (step_graphs.py), over the step buffers
