@@ -427,15 +427,14 @@ def test_speculator_builds_trees_in_its_pass_and_maps_states_to_rows(monkeypatch
 
     num_reqs, depth = 3, BLOCK - 1
     logprobs = torch.randn(num_reqs, depth, VOCAB).log_softmax(-1)
-    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)  # its pass's fields, no engine
+    # Its pass's fields, no engine.
+    spec = speculator_stub(Step().trees_buffer, torch.zeros(MAX_REQS, dtype=torch.int64))
     spec.__dict__.update(
         ddtree=ddtree_config(), num_speculative_steps=depth,
         sample_indices=torch.arange(num_reqs * depth),
         input_buffers=SimpleNamespace(input_ids=torch.tensor(
             [11, 0, 0, 0, 12, 0, 0, 0, 13, 0, 0, 0], dtype=torch.int32)),
         _root_rows=torch.arange(MAX_REQS) * BLOCK,
-        trees=Step().trees_buffer, tree_row_of_state=torch.zeros(MAX_REQS, dtype=torch.int64),
-        _batch_rows=torch.arange(MAX_REQS), mapped_batch=None,
         _run_model=lambda *args: torch.zeros(num_reqs * BLOCK, 4),
         draft_logprobs=lambda hidden, n: logprobs,
     )
