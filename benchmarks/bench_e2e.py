@@ -142,10 +142,10 @@ def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
         return args.target, args.drafter
     if args.pair == "real" or (args.pair == "auto"
                                and (TRAINED_DRAFTER / "config.json").exists()):
-        from vllm_ddtree.real_models import make_smollm2
+        from vllm_ddtree.checkpoints.smollm2 import make_smollm2
 
         return make_smollm2(), TRAINED_DRAFTER
-    from vllm_ddtree import tiny_models
+    from vllm_ddtree.checkpoints import tiny as tiny_models
 
     root = Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree"))
     target = root / "bench-tiny-target"

@@ -263,7 +263,7 @@ def write_models(model_dir: Path) -> tuple[Path, Path]:
     drafter = model_dir / f"dflash-qwen3-8b-shape-b{BLOCK_SIZE}-dummy"  # "dflash" in the path
     target_cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                   "num_hidden_layers": LAYERS, **QWEN3_8B_SHAPE}
-    # The keys vllm_ddtree.tiny_models.make_dflash_drafter writes, at Qwen3-8B size.
+    # The keys vllm_ddtree.checkpoints.tiny.make_dflash_drafter writes, at Qwen3-8B size.
     drafter_cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
                    "num_hidden_layers": DRAFTER_LAYERS, **QWEN3_8B_SHAPE,
                    "block_size": BLOCK_SIZE, "num_target_layers": LAYERS,

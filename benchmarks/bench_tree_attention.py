@@ -3,7 +3,7 @@
 For every (context, batch, budget): each request has a prefix of `context` tokens and
 budget + 1 verify queries (Qwen3-8B heads: 32 query / 8 KV heads, head_dim 128, bf16,
 paged KV with 16-token pages). Timed, as CUDA-graph replays (median):
-- tree:  vllm_ddtree.attention.triton_tree.tree_attention_triton, random trees
+- tree:  vllm_ddtree.kernels.tree_attention.tree_attention_triton, random trees
          (depth <= 15) in build_ddtree's preorder layout (--tree-layout), packed masks;
 - fa3:   FlashAttention 3 from vLLM's wheel (`_vllm_fa3_C`), causal, same paged cache
          (only when --fa3-so points at the extension);
@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_ddtree.attention.reference import pack_tree_mask
-from vllm_ddtree.tree import DDTree, ancestor_mask_from_parents, preorder_layout
+from vllm_ddtree.ops.tree import ancestor_mask_from_parents, preorder_layout
+from vllm_ddtree.tensors import DDTree, pack_tree_mask
 
 
 def int_list(text: str) -> list[int]:
@@ -176,10 +176,10 @@ def dense_kv(case: Case, seq: int):
 
 
 def run_case(case: Case, budget: int, fa3, args, results: list[dict]) -> None:
-    from vllm_ddtree.attention.triton_tree import (
+    from vllm_ddtree.kernels.tree_attention import tree_attention_triton
+    from vllm_ddtree.kernels.tree_attention_plan import (
         choose_num_splits,
         pick_tile_config,
-        tree_attention_triton,
     )
 
     n = budget + 1
@@ -234,10 +234,8 @@ def split_call(case: Case, q, seq_lens, cu_q, packed, n: int, seq: int, fa3, out
                config=None):
     """What the FLASH_ATTN backend runs, as one callable: FA3 over the prefixes alone
     into ``out``, then the tree kernel (``config``, or its own pick) over the trees."""
-    from vllm_ddtree.attention.triton_tree import (
-        launch_tree_attention,
-        plan_tree_attention,
-    )
+    from vllm_ddtree.kernels.tree_attention import launch_tree_attention
+    from vllm_ddtree.kernels.tree_attention_plan import plan_tree_attention
 
     prefix_lens = seq_lens - n
     plan = plan_tree_attention(
@@ -265,7 +263,7 @@ def time_split(case: Case, q, seq_lens, cu_q, packed, n: int, seq: int, fa3, tre
     row["split_ms"] = bench(split, args.rep_ms)
     plan = split.plan
     if plan.tile_keys is not None:  # made once per step for all layers: not in split_ms
-        from vllm_ddtree.attention.tile_keys_triton import list_tile_keys
+        from vllm_ddtree.kernels.tile_keys import list_tile_keys
 
         tokens, tiles = plan.constexprs["TOKENS_PER_TILE"], plan.grid[0]
         row["key_lists_ms"] = bench(lambda: list_tile_keys(packed, cu_q, tokens, tiles),
@@ -321,7 +319,8 @@ SWEEP_SHAPES = [  # (context, batch, budget)
 
 def sweep(args, fa3) -> list[dict]:
     """Time other tile configs on three shapes; each must match the default's output."""
-    from vllm_ddtree.attention.triton_tree import TileConfig, tree_attention_triton
+    from vllm_ddtree.kernels.tree_attention import tree_attention_triton
+    from vllm_ddtree.kernels.tree_attention_plan import TileConfig
 
     configs = [TileConfig(*c) for c in [
         (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
@@ -379,7 +378,8 @@ def split_sweep(args, fa3) -> list[dict]:
     """The split's tree pass under other tile configs: FA3 over the prefixes alone, FA3
     dense causal, and prefix + tree pass per config (output checked against the tree
     kernel alone)."""
-    from vllm_ddtree.attention.triton_tree import TileConfig, tree_attention_triton
+    from vllm_ddtree.kernels.tree_attention import tree_attention_triton
+    from vllm_ddtree.kernels.tree_attention_plan import TileConfig
 
     rows = []
     for context, batch, budget in SPLIT_SWEEP_SHAPES:

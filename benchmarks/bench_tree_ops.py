@@ -30,10 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_ddtree.compact_step_triton import compact_step_triton
 from vllm_ddtree.config import topk_width
-from vllm_ddtree.tree import _topk_and_repair, build_ddtree, topk_per_depth
-from vllm_ddtree.verify import walk_tree
+from vllm_ddtree.kernels.compact_step import compact_step_triton
+from vllm_ddtree.ops.tree import _topk_and_repair, build_ddtree, topk_per_depth
+from vllm_ddtree.ops.walk import walk_tree
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 4096, 12288, 32, 8, 128, 151936, 36
 DEVICE = "cuda"  # --cpu-dry-run switches to "cpu" (logic check only, with TRITON_INTERPRET=1)
@@ -174,8 +174,8 @@ class Qwen3Step:
     """Qwen3-8B-shaped forward over `tokens` tokens: GEMMs + tree attention, 36 layers."""
 
     def __init__(self, batch: int, queries: int, args):
-        from vllm_ddtree.attention.reference import pack_tree_mask
-        from vllm_ddtree.attention.triton_tree import tree_attention_triton
+        from vllm_ddtree.kernels.tree_attention import tree_attention_triton
+        from vllm_ddtree.tensors import pack_tree_mask
 
         self.attend = tree_attention_triton
         dev, dt = DEVICE, torch.bfloat16

@@ -30,7 +30,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # -v: each result is logged as it comes, so a run cut off by its timeout still says
   # which tests passed and failed ($out/gpu_tests.log comes back either way).
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v --tb=short -rfE -p no:cacheprovider -n "${WORKERS:-8}" \
-    ${GPU_TESTS:-tests/test_gpu_e2e.py tests/test_gpu_e2e_v2.py tests/test_v2_interface.py} "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -v "^INFO\|^(EngineCore" | tail -60
+    ${GPU_TESTS:-tests/gpu/test_e2e_v1.py tests/gpu/test_e2e_v2.py tests/runner/test_v2_interface.py} "$@" 2>&1 | tee "$out/gpu_tests.log" | grep -v "^INFO\|^(EngineCore" | tail -60
   rc=${PIPESTATUS[0]}
   echo "gpu tests exit code: $rc"
 fi

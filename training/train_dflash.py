@@ -27,7 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from training.data import Sequence, build_sequences, pack_hidden_states
-from training.dflash_model import DFlashDrafter, DrafterConfig, block_inputs, save_checkpoint
+from training.dflash_model import (
+    DFlashDrafter,
+    DrafterConfig,
+    block_inputs,
+    save_checkpoint,
+)
 
 logger = logging.getLogger("train_dflash")
 
@@ -74,7 +79,7 @@ def load_target(args: argparse.Namespace):
 
     path = args.target
     if path is None:
-        from vllm_ddtree.real_models import make_smollm2
+        from vllm_ddtree.checkpoints.smollm2 import make_smollm2
 
         path = make_smollm2(gguf_path=args.gguf)
     tok = AutoTokenizer.from_pretrained(path)

@@ -41,7 +41,7 @@ def real_pair_available() -> bool:
 
 def build_models(root: Path, block_size: int) -> tuple[Path, Path]:
     """A target whose greedy text repeats itself, and a drafter that repeats."""
-    from vllm_ddtree import tiny_models
+    from vllm_ddtree.checkpoints import tiny as tiny_models
 
     target = root / "target"
     if not (target / "config.json").exists():
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
 
     use_real = args.pair == "real" or (args.pair == "auto" and real_pair_available())
     if use_real:
-        from vllm_ddtree.real_models import make_smollm2
+        from vllm_ddtree.checkpoints.smollm2 import make_smollm2
 
         print("[demo] real pair: SmolLM2-135M-Instruct + trained DFlash drafter",
               flush=True)

@@ -194,8 +194,8 @@ def _patch_build_logitsprocs() -> None:
 def _patch_model_runner() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_ddtree import runner as ddtree_runner
     from vllm_ddtree.attention.state import publishing
+    from vllm_ddtree.runner import v1 as ddtree_runner
     from vllm_ddtree.sync import step_phase
 
     cls = GPUModelRunner
@@ -313,8 +313,8 @@ def _patch_v2_model_runner() -> None:
         return
     from vllm.v1.worker.gpu import model_runner as v2
 
-    from vllm_ddtree import runner as ddtree_runner
-    from vllm_ddtree import runner_v2
+    from vllm_ddtree.runner import v1 as ddtree_runner
+    from vllm_ddtree.runner import v2 as runner_v2
     from vllm_ddtree.sync import step_phase
 
     cls = v2.GPUModelRunner
@@ -328,7 +328,7 @@ def _patch_v2_model_runner() -> None:
     def init_speculator(vllm_config, device, req_states):
         if getattr(vllm_config.speculative_config, "ddtree", None) is None:
             return orig_init_speculator(vllm_config, device, req_states)
-        from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+        from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
 
         return DDTreeSpeculator(vllm_config, device, req_states)
 

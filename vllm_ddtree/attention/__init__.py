@@ -2,12 +2,11 @@
 
 import torch
 
-from vllm_ddtree.attention.reference import (
-    pack_tree_mask,
+from vllm_ddtree.ops.attention_reference import (
     tree_attention_reference,
-    unpack_tree_mask,
     write_kv_to_cache,
 )
+from vllm_ddtree.tensors import pack_tree_mask, unpack_tree_mask
 
 __all__ = [
     "pack_tree_mask",

@@ -1,7 +1,7 @@
 """Tree attention on vLLM's CPU backend (CPU_ATTN).
 
 The verify rows of requests that carry a tree are computed under their ancestor
-masks, all requests of the step in one batched torch pass (torch_tree.py). When
+masks, all requests of the step in one batched torch pass (ops/attention.py). When
 every row of the step is such a row (a decode step whose requests all carry
 drafts) that pass is all; otherwise the platform kernel first runs every row as
 usual (prefill, chunked prefill, plain decode) and the tree rows are then
@@ -28,11 +28,12 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
 from vllm_ddtree.attention.state import TreeAttentionInfo
-from vllm_ddtree.attention.torch_tree import (
+from vllm_ddtree.ops.attention import (
     plan_tree_attention_torch,
     run_tree_attention_torch,
 )
-from vllm_ddtree.compaction import SlotMoves, block_slot_moves
+from vllm_ddtree.ops.compaction import block_slot_moves
+from vllm_ddtree.tensors import SlotMoves
 
 # Cache interiors this module knows how to read (see the module docstring).
 _PLAIN_ISAS = ("vec", "vec16", "neon")

@@ -64,15 +64,15 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_ddtree.attention.common import TreeMetadataBuilderMixin, check_tree_support
 from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
-from vllm_ddtree.attention.triton_tree import (
+from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.kernels.tree_attention import (
     launch_tree_attention,
-    plan_signature,
-    plan_tree_attention,
     tree_attention_triton,
 )
-from vllm_ddtree.compaction import SlotMoves, block_slot_moves
-from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.kernels.tree_attention_plan import plan_signature, plan_tree_attention
+from vllm_ddtree.ops.compaction import block_slot_moves
 from vllm_ddtree.sync import step_phase
+from vllm_ddtree.tensors import SlotMoves
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
@@ -106,7 +106,7 @@ def move_kv_slots_layers(
 ) -> None:
     """Compaction's KV moves for every layer of a cache group, layer by layer with
     :func:`move_kv_slots`: for caches the one-launch kernel cannot take
-    (kv_move_triton.compact_kv_triton, which the runner calls directly)."""
+    (kernels.kv_move.compact_kv_triton, which the runner calls directly)."""
     moves = block_slot_moves(src_slots.flatten(), dst_slots.flatten(), kv_caches[0].shape[2])
     for kv_cache in kv_caches:
         move_kv_slots(kv_cache, moves)

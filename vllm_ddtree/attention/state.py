@@ -12,7 +12,7 @@ replayed every step, reading the ancestor masks from one persistent buffer
 (:func:`mask_buffer`), so each step's masks are written into that buffer.
 The graph is captured with a causal tree (:func:`causal_attention_info`: the
 capture's dummy batch has none), and only steps whose every row is a tree
-row replay it (runner.may_replay_full_graph).
+row replay it (runner.v1.may_replay_full_graph).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_ddtree.attention.reference import BITS_PER_WORD, pack_tree_mask
 from vllm_ddtree.sync import to_device
+from vllm_ddtree.tensors import pack_tree_mask, packed_view
 
 
 @dataclass
@@ -101,19 +101,6 @@ class TreeAttentionInfo:
         self.rows = to_device(rows, device)
         self.req_index = to_device(reqs, device)
         self.rows_query_start_loc = to_device(query_start_loc, device)
-
-
-def mask_buffer(max_num_reqs: int, width: int, device: torch.device) -> torch.Tensor:
-    """The persistent ``[max_num_reqs, width, ceil(width / 32)]`` int32 buffer that
-    packed masks are written into: a captured tree kernel reads its masks from here."""
-    words = -(-width // BITS_PER_WORD)
-    return torch.zeros(max_num_reqs, width, words, dtype=torch.int32, device=device)
-
-
-def packed_view(buffer: torch.Tensor, num_reqs: int, width: int) -> torch.Tensor:
-    """The ``[num_reqs, width, ceil(width / 32)]`` corner of a mask buffer that holds
-    a step's packed masks (pack_tree_mask's layout)."""
-    return buffer[:num_reqs, :width, : -(-width // BITS_PER_WORD)]
 
 
 def causal_attention_info(

@@ -1,0 +1,122 @@
+"""benchmarks/bench_gpu_step.py's step estimate from (short, long) generate calls, and
+its flag on pairs whose estimate cannot be a step time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_gpu_step as bench
+
+
+def sample(tokens: int, seconds: float) -> bench.Sample:
+    """A DDTree call at batch 1 with nothing accepted: one draft per token."""
+    return bench.Sample(max_tokens=tokens, seconds=seconds, tokens=tokens, drafts=tokens - 1,
+                        accepted=0, iterations=tokens)
+
+
+def measure(pairs, lengths=None):
+    calls = iter([p for pair in [(sample(16, 0.2), sample(48, 0.5))] + pairs for p in pair])
+    run = bench.EngineRun("v1", "ddtree", 16)
+    args = SimpleNamespace(short_len=16, long_len=48, repeats=len(pairs), prompt_len=8)
+
+    def run_call(prompts, n):
+        if lengths is not None:
+            lengths.append(n)
+        return next(calls)
+
+    return bench.measure_batch(run_call, run, 1, args)
+
+
+def test_warm_ups_reach_the_long_calls_length_before_timing():
+    lengths = []
+    measure([(sample(16, 0.20), sample(48, 0.52))], lengths)
+    assert lengths == [16, 48, 16, 48]  # two untimed calls (short, long), then the pair
+
+
+def test_sound_pairs_give_the_step_time_and_no_flag():
+    row = measure([(sample(16, 0.20), sample(48, 0.52)), (sample(16, 0.21), sample(48, 0.53))])
+    assert abs(row["ms_per_step"] - 10.0) < 1e-6  # 0.32 s over 32 more steps
+    assert "suspect" not in row
+
+
+def test_a_one_time_cost_in_the_short_call_is_flagged():
+    """The H200 run of 2026-11-30: 0.510 s for 16 tokens, 0.515 s for 48."""
+    row = measure([(sample(16, 0.5095), sample(48, 0.5145))])
+    assert row["ms_per_step"] < 1.0
+    assert row["suspect"].startswith("suspect: 1 of 1 pairs")
+    assert "suspect" in bench.step_table([{"runner": "v1", "method": "ddtree", "budget": 16,
+                                           "error": None, "rows": [row]}])
+
+
+def test_plugin_share_as_the_engine_runs_it():
+    """The engine replays the build from a CUDA graph and launches the walk and the
+    compaction eagerly: the share it reports adds exactly those three."""
+    ops = [{"batch": 1, "budget": 16, "ops_graph_ms": 0.1, "ops_eager_ms": 1.0,
+            "build_graph_ms": 0.11, "walk_eager_ms": 0.09, "compact_eager_ms": 0.25,
+            "walk_graph_ms": 0.02, "compact_graph_ms": 0.02}]
+    records = [{"runner": "v1", "method": "ddtree", "budget": 16,
+                "rows": [{"batch": 1, "ms_per_step": 10.0}]}]
+    bench.add_shares(ops, records)
+    assert abs(ops[0]["ops_engine_ms"] - 0.45) < 1e-9
+    assert abs(ops[0]["share_engine_pct"] - 4.5) < 1e-9
+    assert "| 0.450 | 4.5 % |" in bench.share_table(ops)
+
+
+def test_plugin_digest_names_the_code_not_the_checkout(tmp_path):
+    """Copies of one package share a digest; any edit, or a file moved, changes it; the
+    run's environment records the digest of the plugin the engines import."""
+    repo_pkg = Path(__file__).resolve().parents[2] / "vllm_ddtree"
+    copy = tmp_path / "vllm_ddtree"
+    for path in repo_pkg.rglob("*.py"):
+        target = copy / path.relative_to(repo_pkg)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    assert bench.plugin_digest(copy) == bench.plugin_digest(repo_pkg)
+    (copy / "ops" / "tree.py").write_text((copy / "ops" / "tree.py").read_text() + "\n# edited\n")
+    assert bench.plugin_digest(copy) != bench.plugin_digest(repo_pkg)
+    (copy / "ops" / "tree.py").write_bytes((repo_pkg / "ops" / "tree.py").read_bytes())
+    (copy / "ops" / "tree.py").rename(copy / "ops" / "tree_moved.py")
+    assert bench.plugin_digest(copy) != bench.plugin_digest(repo_pkg)
+    env = bench.environment(dry_run=True)
+    assert env["plugin_digest"] == bench.plugin_digest(repo_pkg)
+
+
+def test_ddtree_runs_on_each_runner_asked_for():
+    args = SimpleNamespace(runners=["v2"], ddtree_runners=["v1", "v2"],
+                           methods=["chain", "ddtree"], budgets=[16])
+    assert [(r.runner, r.method, r.budget) for r in bench.plan_runs(args)] == [
+        ("v2", "chain", None), ("v1", "ddtree", 16), ("v2", "ddtree", 16)]
+
+
+def test_prefix_methods_pin_the_prefix_attention(tmp_path):
+    """ddtree-triton / ddtree-flash are DDTree with ddtree_prefix_attention 'triton' /
+    'flash_attn', planned per budget next to the default's DDTree engines."""
+    args = SimpleNamespace(runners=["v1"], ddtree_runners=["v1"],
+                           methods=["plain", "ddtree", "ddtree-triton", "ddtree-flash"],
+                           budgets=[16, 32])
+    runs = bench.plan_runs(args)
+    assert [(r.method, r.budget) for r in runs] == [
+        ("plain", None), ("ddtree", 16), ("ddtree", 32), ("ddtree-triton", 16),
+        ("ddtree-triton", 32), ("ddtree-flash", 16), ("ddtree-flash", 32)]
+    spec = runs[3].speculative_config(tmp_path)
+    assert spec["method"] == "ddtree" and spec["ddtree_prefix_attention"] == "triton"
+    assert runs[5].speculative_config(tmp_path)["ddtree_prefix_attention"] == "flash_attn"
+    assert "ddtree_prefix_attention" not in runs[1].speculative_config(tmp_path)
+
+
+def test_scheduling_flags_set_every_engine_alike():
+    """--sync-scheduling / --async-scheduling pin async_scheduling for every engine
+    (DDTree's included); without either each engine keeps its default."""
+    assert bench.scheduling_kwargs(bench.parse_args(["--dry-run"])) == {}
+    assert bench.scheduling_kwargs(bench.parse_args(["--sync-scheduling"])) == {
+        "async_scheduling": False}
+    assert bench.scheduling_kwargs(bench.parse_args(["--async-scheduling"])) == {
+        "async_scheduling": True}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sync-scheduling", "--async-scheduling"])

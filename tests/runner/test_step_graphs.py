@@ -1,0 +1,113 @@
+"""vllm_ddtree/step_graphs.py: a step's launches as CUDA graph replays.
+
+The launches here are small torch ops that write into buffers allocated beforehand,
+as the runner's are. On the CPU (and with graphs off) every call runs them; on CUDA
+the first call of a signature runs them, the second captures and replays them, later
+ones replay, and a replay computes from the buffers' contents at that step. A tensor
+at another address is another signature; launches that cannot be captured stay eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_utils import needs_cuda
+from vllm_ddtree.runner.step_graphs import StepGraphs
+from vllm_ddtree.runner import step_graphs
+
+
+def logged(monkeypatch, level: str) -> list[str]:
+    """The module's messages at ``level``, as formatted."""
+    messages: list[str] = []
+    monkeypatch.setattr(step_graphs.logger, level,
+                        lambda msg, *args: messages.append(msg % args))
+    return messages
+
+
+class Doubling:
+    """out = 2 * src + 1, written in place; counts the times its launches run on the
+    host (a replay runs none)."""
+
+    def __init__(self, device: str, n: int = 5):
+        self.src = torch.arange(n, dtype=torch.float32, device=device)
+        self.out = torch.zeros(n, dtype=torch.float32, device=device)
+        self.calls = 0
+
+    def launch(self) -> None:
+        self.calls += 1
+        torch.mul(self.src, 2, out=self.out)
+        self.out.add_(1)
+
+    def want(self) -> list[float]:
+        return (self.src.cpu() * 2 + 1).tolist()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_off_cuda_or_off_every_call_runs_the_launches(enabled):
+    device = "cuda" if torch.cuda.is_available() and not enabled else "cpu"
+    graphs, step = StepGraphs(torch.device(device), "test", enabled), Doubling(device)
+    for i in range(4):
+        step.src.fill_(i)
+        graphs.run(("k",), (step.src,), step.launch)
+        assert step.out.tolist() == step.want()
+    assert step.calls == 4 and graphs.num_graphs == 0 and graphs.replays == 0
+
+
+@needs_cuda
+def test_second_call_captures_and_later_calls_replay_the_buffers_contents(monkeypatch):
+    graphs, step = StepGraphs(torch.device("cuda"), "test"), Doubling("cuda")
+    messages = logged(monkeypatch, "info")
+    for i in range(5):
+        step.src.copy_(torch.arange(5) * (i + 1))
+        graphs.run(("k", 5), (step.src,), step.launch)
+        assert step.out.tolist() == step.want()
+    # Call 1 eager, call 2 captured (the capture runs the launches' Python once), 3-5 replay.
+    assert step.calls == 2 and graphs.captures == 1 and graphs.replays == 4
+    assert graphs.num_graphs == 1
+    assert len(messages) == 1 and "DDTree test: the step's launches replay" in messages[0]
+
+
+@needs_cuda
+def test_another_address_or_key_is_another_signature():
+    graphs, step = StepGraphs(torch.device("cuda"), "test"), Doubling("cuda")
+    other = Doubling("cuda")
+    for _ in range(3):
+        graphs.run(("k",), (step.src,), step.launch)
+    # The same key over another tensor: not the captured graph's addresses.
+    other.src.fill_(3)
+    graphs.run(("k",), (other.src,), other.launch)
+    assert other.out.tolist() == other.want() and other.calls == 1
+    graphs.run(("k2",), (step.src,), step.launch)  # another key: eager, first sighting
+    assert step.calls == 3 and graphs.num_graphs == 1
+    graphs.run(("k",), (other.src,), other.launch)  # second sighting: its own graph
+    other.src.fill_(-1)
+    graphs.run(("k",), (other.src,), other.launch)
+    assert other.out.tolist() == other.want() and graphs.num_graphs == 2
+
+
+@needs_cuda
+def test_launches_that_cannot_be_captured_stay_eager(monkeypatch):
+    graphs, step = StepGraphs(torch.device("cuda"), "test"), Doubling("cuda")
+
+    def syncing_launch() -> None:  # reads a value on the host: illegal while capturing
+        step.launch()
+        step.out.add_(float(step.src.sum().item()) * 0)
+
+    messages = logged(monkeypatch, "warning")
+    for i in range(4):
+        step.src.fill_(i)
+        graphs.run(("k",), (step.src,), syncing_launch)
+        assert step.out.tolist() == step.want()
+    assert graphs.num_graphs == 0 and graphs.replays == 0
+    assert len(messages) == 1 and "could not be captured" in messages[0]
+    torch.cuda.synchronize()  # the failed capture left the device usable
+
+
+@pytest.mark.parametrize("value,enabled", [(None, True), ("1", True), ("0", False), ("", False)])
+def test_the_environment_switch(monkeypatch, value, enabled):
+    if value is None:
+        monkeypatch.delenv(step_graphs.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(step_graphs.ENV_VAR, value)
+    assert step_graphs.enabled_by_env() is enabled

@@ -1,0 +1,124 @@
+"""DDTreeSpeculator: DFlash drafting on vLLM's V2 model runner, tree output.
+
+The drafter pass is V2's own DFlash pass (``DFlashSpeculator``: bonus token plus
+``block_size - 1`` mask tokens per request, context K/V from the target's hidden
+states, a full CUDA graph per batch size); only its last step differs. Where
+DFlash samples one token per mask slot, the per-depth log-probabilities feed
+:func:`~vllm_ddtree.ops.tree.build_ddtree` inside the same pass (so inside the same
+graph), and the ``budget`` tree nodes become the draft tokens the target
+verifies next step.
+
+Two widths, as everywhere in the plugin: the drafter runs at ``block_size``
+(``num_speculative_steps`` here is ``block_size - 1``), the target verifies
+``budget + 1`` rows per request (vLLM's ``num_speculative_tokens``), which is
+also how many context rows per request the drafter's graph stores.
+
+The trees of the last pass stay in persistent buffers, in that pass's batch
+order, with ``tree_row_of_state`` mapping each request's state index to its
+row; the runner (runner.v2.begin_verify_step) reads them at the next verify.
+After a tree step the runner's walk graph has made that mapping already
+(``map_batch``, for the batch the pass then drafts over: ``mapped_batch``), which
+saves the pass two launches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.config.compilation import CUDAGraphMode
+from vllm.logger import init_logger
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.ops.tree import build_ddtree
+from vllm_ddtree.runner.common import drafter_view
+from vllm_ddtree.tensors import DDTree
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    """V2 DFlash drafting at the drafter's block size, trees at the budget."""
+
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config, device: torch.device, req_states=None):
+        ddtree = get_ddtree_config(vllm_config)
+        if ddtree is None:
+            raise ValueError("DDTreeSpeculator needs a DDTree speculative config.")
+        # Read by _num_graph_context_tokens during DFlashSpeculator.__init__.
+        self.ddtree: DDTreeConfig = ddtree
+        super().__init__(drafter_view(vllm_config, ddtree.max_depth), device)
+        self.req_states = req_states
+        rows, width = self.max_num_reqs, ddtree.verify_width
+        # The last pass's trees, in its batch order ([rows, budget + 1] per field).
+        self.trees = DDTree.zeros(rows, width, device)
+        # Request state index -> its row in `trees` (-1: no tree from the last pass).
+        self.tree_row_of_state = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self._batch_rows = torch.arange(rows, dtype=torch.int64, device=device)
+        # The batch whose order tree_row_of_state holds already (runner/v2_sampler.py sets it
+        # after its walk graph ran map_batch over that batch); cleared by propose.
+        self.mapped_batch: Any = None
+        # Query row of each request's bonus token in the drafter's batch.
+        self._root_rows = self._batch_rows * self.num_query_per_req
+        logger.info("DDTree drafting on the V2 model runner: drafter width %d, "
+                    "verify width %d.", ddtree.drafter_width, ddtree.verify_width)
+
+    def _num_graph_context_tokens(self, num_reqs: int) -> int:
+        # Context rows per request: one verify step's, budget + 1 (not block_size).
+        return min(num_reqs * self.ddtree.verify_width, self.max_num_tokens)
+
+    def draft_logprobs(self, hidden_states: torch.Tensor, num_reqs: int) -> torch.Tensor:
+        """``[num_reqs, max_depth, vocab]`` float32: row d is log q_{d+1}. Runs inside
+        the drafter's CUDA graph: no host synchronisation."""
+        logits = self.model.compute_logits(hidden_states)[:, : self.ddtree.vocab_size]
+        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        return logprobs.view(num_reqs, self.ddtree.max_depth, -1)
+
+    def _generate_draft(
+        self,
+        num_reqs: int,
+        num_tokens_padded: int,
+        attn_metadata: dict[str, Any] | None,
+        slot_mappings: dict[str, torch.Tensor] | None,
+        num_tokens_across_dp: torch.Tensor | None,
+        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    ) -> None:
+        last_hidden_states = self._run_model(
+            num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp,
+            cudagraph_runtime_mode,
+        )
+        num_sample = num_reqs * self.num_speculative_steps
+        sample_hidden_states = last_hidden_states[self.sample_indices[:num_sample]]
+        logprobs = self.draft_logprobs(sample_hidden_states, num_reqs)
+        roots = self.input_buffers.input_ids[self._root_rows[:num_reqs]].to(torch.int64)
+        tree = build_ddtree(logprobs, roots, self.ddtree.budget, self.ddtree.topk_cap)
+        for field in ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes"):
+            getattr(self.trees, field)[:num_reqs].copy_(getattr(tree, field))
+
+    def map_batch(self, idx_mapping: torch.Tensor) -> None:
+        """``tree_row_of_state`` for a pass over a batch of these state indices
+        (``[num_reqs]`` int64, batch order): state ``idx_mapping[i]`` -> row i, every
+        other state -> -1 (no tree). No host sync: a CUDA graph may hold it."""
+        self.tree_row_of_state.fill_(-1)
+        self.tree_row_of_state.index_copy_(0, idx_mapping,
+                                           self._batch_rows[: idx_mapping.shape[0]])
+
+    def propose(self, input_batch, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """DFlash's pass; returns the trees' ``[num_reqs, budget]`` draft tokens in node
+        order (preorder: parents before children), a view of ``trees.tokens``."""
+        dummy = kwargs.get("dummy_run", False)
+        built = kwargs.get("num_speculative_tokens") != 0
+        mapped, self.mapped_batch = self.mapped_batch, None
+        super().propose(input_batch, *args, **kwargs)
+        num_reqs = input_batch.num_reqs
+        dp_sync_state = kwargs.get("dp_sync_state")
+        if dummy and dp_sync_state is not None:
+            num_reqs = min(num_reqs, dp_sync_state.num_reqs)
+        if built and not dummy and num_reqs > 0:
+            if mapped is not input_batch:
+                self.map_batch(input_batch.idx_mapping[:num_reqs])
+        else:
+            self.tree_row_of_state.fill_(-1)
+        return self.trees.tokens[:num_reqs, 1:]
