@@ -24,7 +24,7 @@ from tests.e2e_utils import (
     shutdown,
     spec_metrics,
 )
-from vllm_ddtree.ops.tree import build_ddtree
+from vllm_ddtree.ops.step import ddtree_step
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,9 @@ VOCAB = 1024
 
 def simulate(full: list[int], prompt_len: int, block_size: int, budget: int,
              cap: int | None, rule) -> list[tuple[int, int]]:
-    """(acceptance, max rank used on the accepted path) of every verify step."""
+    """(acceptance, max rank used on the accepted path) of every verify step, from
+    DDTree's torch step (ops/step.py) over a target that knows its greedy output:
+    at a node whose path is that output it predicts the next token of it."""
     depth = block_size - 1
     bonus_pos = prompt_len  # the prefill step emits the token at prompt_len
     emitted = 1
@@ -44,21 +46,29 @@ def simulate(full: list[int], prompt_len: int, block_size: int, budget: int,
                 for d in range(1, depth + 1)]
         logprobs = scripted_drafter.scripted_logprobs(
             true, lambda d: rule(bonus_pos, d), VOCAB)
-        tree = build_ddtree(logprobs[None], torch.tensor([full[bonus_pos]]), budget, cap)
-        tokens, parents = tree.tokens[0].tolist(), tree.parents[0].tolist()
-        valid = tree.valid[0].tolist()
-        node, accepted, max_rank = 0, 0, 0
-        for d in range(1, depth + 1):
-            children = [i for i in range(1, len(tokens))
-                        if valid[i] and parents[i] == node and tokens[i] == true[d - 1]]
-            if not children:
-                break
-            node, accepted = children[0], accepted + 1
-            max_rank = max(max_rank, rule(bonus_pos, d))
-        steps.append((accepted, max_rank))
+        step = ddtree_step(logprobs[None], torch.tensor([full[bonus_pos]]),
+                           torch.tensor([bonus_pos]), knows(full), budget, cap)
+        accepted = int(step.walk.num_accepted[0])
+        steps.append((accepted, max((rule(bonus_pos, d) for d in range(1, accepted + 1)),
+                                    default=0)))
         emitted += accepted + 1
         bonus_pos += accepted + 1
     return steps
+
+
+def knows(full: list[int]):
+    """A verify pass of a target whose greedy output is ``full``: one-hot logits of the
+    next token of ``full`` at every node whose path is ``full``'s (elsewhere token 0,
+    never read: the walk only follows matching nodes)."""
+    truth = torch.tensor(full + [0] * (VOCAB + 64))
+
+    def verify(tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        matches = tokens == truth[positions]  # each node carries the true token there
+        on_path = (matches[:, None, :] | ~mask).all(-1)  # so do all its ancestors
+        nxt = torch.where(on_path, truth[positions + 1], 0)
+        return torch.nn.functional.one_hot(nxt, VOCAB).float()
+
+    return verify
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import torch
 
 from vllm_ddtree.attention import cuda
 from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.runner import common, v1
 from vllm_ddtree.runner.common import _kv_groups, check_tree_backends
 from vllm_ddtree.runner.v1 import capture_attention_info, may_replay_full_graph
-from vllm_ddtree.runner import common, v1
 
 
 class PlatformBackend:

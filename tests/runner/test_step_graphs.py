@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.triton_utils import needs_cuda
-from vllm_ddtree.runner.step_graphs import StepGraphs
 from vllm_ddtree.runner import step_graphs
+from vllm_ddtree.runner.step_graphs import StepGraphs
 
 
 def logged(monkeypatch, level: str) -> list[str]:

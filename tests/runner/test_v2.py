@@ -21,8 +21,8 @@ pytest.importorskip("vllm.v1.worker.gpu.sample.penalties")  # vLLM's V2 runner m
 
 from vllm_ddtree.config import DDTreeConfig  # noqa: E402
 from vllm_ddtree.ops.tree import build_ddtree  # noqa: E402
-from vllm_ddtree.runner.step_graphs import StepGraphs  # noqa: E402
 from vllm_ddtree.runner import v2, v2_sampler, v2_state  # noqa: E402
+from vllm_ddtree.runner.step_graphs import StepGraphs  # noqa: E402
 from vllm_ddtree.tensors import (
     DDTree,
     pack_tree_mask,  # noqa: E402

@@ -101,11 +101,13 @@ def test_step_widths_pick_each_variant_once():
 
 
 def test_tree_attention_warm_up_runs_both_split_variants_and_reads_only(monkeypatch):
+    from vllm_ddtree.kernels import merge_splits
     from vllm_ddtree.kernels import tree_attention as triton_tree
 
     seen: list = []
-    for name in ("tree_attention_kernel", "merge_splits_kernel"):
-        monkeypatch.setattr(triton_tree, name, KernelRecorder(getattr(triton_tree, name), seen))
+    for module, name in ((triton_tree, "tree_attention_kernel"),
+                         (merge_splits, "merge_splits_kernel")):
+        monkeypatch.setattr(module, name, KernelRecorder(getattr(module, name), seen))
     gen = torch.Generator().manual_seed(1)
     caches = make_caches(2, 3, 2, 16, 2 * 32, torch.bfloat16, gen)
     before = [c.clone() for c in caches]

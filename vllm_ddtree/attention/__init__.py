@@ -1,19 +1,13 @@
-"""Tree attention for DDTree verify rows: plain-torch reference and cache helpers."""
+"""DDTree's attention backends: subclasses of vLLM's that attend tree rows under their
+ancestor masks (``cpu.py``: CPU_ATTN; ``cuda.py``: FLASH_ATTN and TRITON_ATTN), the
+metadata hook they share (``common.py``) and the step's published tree (``state.py``).
+"""
+
+from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.ops.attention_reference import (
-    tree_attention_reference,
-    write_kv_to_cache,
-)
-from vllm_ddtree.tensors import pack_tree_mask, unpack_tree_mask
-
-__all__ = [
-    "pack_tree_mask",
-    "tree_attention_reference",
-    "unpack_tree_mask",
-    "write_kv_to_cache",
-]
+__all__ = ["register_backends"]
 
 
 def register_backends(device) -> None:

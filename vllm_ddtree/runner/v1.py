@@ -1,43 +1,55 @@
-"""The model-runner side of a DDTree step.
+"""DDTree on vLLM's V1 model runner (the CPU backend's, and the GPU's where V1 runs).
 
-vLLM's V1 model runner drives the step; the plugin steps in at four points
-(see :mod:`vllm_ddtree.patches`):
+:class:`DDTreeRunnerMixin` overrides the runner's methods where a line of the step
+(``ops/step.py``) happens; the functions below do the work:
 
-1. after ``_prepare_inputs``: look up each request's tree, give verify rows
-   their depth positions (``start + depth``; KV slots stay ``start + i``) and
-   publish the ancestor masks to the attention metadata builders;
-2. the sampler: :class:`~vllm_ddtree.runner.v1_sampler.DDTreeSampler` walks the trees;
-3. after sampling: compaction, so the accepted path looks like a chain whose
-   first k drafts were accepted (KV rows, hidden states, positions, tokens);
-4. after drafting: remember which request owns which freshly built tree.
+1-2. draft, build the tree: ``runner.drafter`` is a
+     :class:`~vllm_ddtree.runner.v1_proposer.DDTreeProposer` (one DFlash pass, then the
+     tree); after drafting, :func:`record_drafted_trees` notes which request owns which
+     tree;
+3.   verify: after ``_prepare_inputs``, :func:`begin_verify_step` gives verify rows
+     their depth positions (KV slots stay ``start + i``) and publishes the ancestor
+     masks to the attention metadata builders;
+4-5. the target's token at every node, the walk: ``runner.rejection_sampler`` is a
+     :class:`~vllm_ddtree.runner.v1_sampler.DDTreeSampler`;
+6.   compaction, after sampling (:func:`compact_after_walk`): the accepted path looks
+     like a chain whose first k drafts were accepted (KV rows, hidden states,
+     positions, tokens).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from vllm.logger import init_logger
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_ddtree.attention.state import TreeAttentionInfo, causal_attention_info
+from vllm_ddtree.attention.state import (
+    TreeAttentionInfo,
+    causal_attention_info,
+    publishing,
+)
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.kernels.step_trees import step_trees_triton
 from vllm_ddtree.ops.step_trees import step_trees, tree_positions
 from vllm_ddtree.runner.common import (
     RunnerState,
+    check_tree_backends,
     compact_accepted,
     log_graph_coverage,
     step_attention_info,
+    warm_up_kernels,
 )
 from vllm_ddtree.runner.v1_sampler import DDTreeSampler
-from vllm_ddtree.sync import to_device
+from vllm_ddtree.sync import step_phase, to_device
 from vllm_ddtree.tensors import DDTree, TreeVerifyStep, mask_buffer
 
 if TYPE_CHECKING:
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
@@ -55,10 +67,11 @@ class DDTreeRunnerState(RunnerState):
 
 
 def install(runner: GPUModelRunner) -> None:
-    """Turn a freshly built model runner into a DDTree runner (no-op otherwise)."""
+    """Make a freshly built V1 model runner a DDTree runner: its state, drafter and
+    rejection sampler."""
     ddtree = get_ddtree_config(runner.vllm_config)
     if ddtree is None:
-        return
+        raise ValueError("a DDTree model runner needs a DDTree speculative config")
     if runner.uses_mrope:
         raise NotImplementedError("DDTree does not support M-RoPE target models yet.")
     from vllm_ddtree.attention import register_backends
@@ -191,3 +204,72 @@ def _has_grammar(runner: GPUModelRunner, req_id: str) -> bool:
     return params is not None and params.structured_outputs is not None
 
 
+_BUILD_SIGNATURE = inspect.signature(GPUModelRunner._build_attention_metadata)
+
+
+class DDTreeRunnerMixin:
+    """DDTree's overrides of vLLM's V1 model runner, for ``GPUModelRunner`` and the CPU
+    backend's subclass alike (runner/cpu_worker.py). Each calls vLLM's method and adds
+    one line of the step; nothing else of the runner changes."""
+
+    ddtree_state: DDTreeRunnerState
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        install(self)  # drafter and rejection sampler: lines 1-2 and 4-5
+
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
+        super().initialize_kv_cache(*args, **kwargs)
+        check_tree_backends(self)  # every target layer has tree attention (line 3)
+        warm_up_kernels(self)
+
+    def _prepare_inputs(self, scheduler_output: Any, *args: Any, **kwargs: Any):
+        result = super()._prepare_inputs(scheduler_output, *args, **kwargs)
+        with step_phase("ddtree.begin_verify", self.device):
+            begin_verify_step(self, result[1])  # line 3: depth positions, masks
+        return result
+
+    def _determine_batch_execution_and_padding(self, *args: Any, **kwargs: Any):
+        # A full CUDA graph holds the tree kernel over every row: only steps whose every
+        # row is a tree row may replay one (a capture passes force_uniform_decode itself).
+        if kwargs.get("force_uniform_decode") is None and not may_replay_full_graph(
+            self.ddtree_state
+        ):
+            kwargs["force_uniform_decode"] = False
+        return super()._determine_batch_execution_and_padding(*args, **kwargs)
+
+    def _build_attention_metadata(self, *args: Any, **kwargs: Any):
+        info = self.ddtree_state.attn_info
+        if info is None:  # a step without trees, or a graph capture
+            call = _BUILD_SIGNATURE.bind(self, *args, **kwargs)
+            call.apply_defaults()
+            batch = call.arguments
+            info = capture_attention_info(self, batch["num_reqs"], batch["max_query_len"],
+                                          bool(batch.get("for_cudagraph_capture")))
+        with publishing(info):  # line 3: the builders attach the step's tree
+            return super()._build_attention_metadata(*args, **kwargs)
+
+    def sample_tokens(self, *args: Any, **kwargs: Any):
+        state = self.ddtree_state
+        state.model_state = self.execute_model_state
+        state.tree_rows = {}  # this step's trees were consumed by _prepare_inputs
+        try:
+            return super().sample_tokens(*args, **kwargs)  # lines 4-5 in the sampler
+        finally:
+            state.model_state = state.step = state.attn_info = None
+
+    def _sample(self, logits: Any, spec_decode_metadata: Any):
+        output = super()._sample(logits, spec_decode_metadata)
+        if spec_decode_metadata is not None:
+            with step_phase("ddtree.compact", self.device):
+                compact_after_walk(self)  # line 6
+        return output
+
+    def propose_draft_token_ids(self, *args: Any, **kwargs: Any):
+        draft_token_ids = super().propose_draft_token_ids(*args, **kwargs)  # lines 1-2
+        record_drafted_trees(self)
+        return draft_token_ids
+
+
+class DDTreeModelRunner(DDTreeRunnerMixin, GPUModelRunner):
+    """vLLM's V1 GPU model runner with DDTree (built by runner/worker.py)."""

@@ -1,44 +1,41 @@
-"""The V2 model-runner side of a DDTree step (vLLM 0.33's ``vllm.v1.worker.gpu``).
+"""DDTree on vLLM's V2 model runner (vLLM 0.33's ``vllm.v1.worker.gpu``, its GPU default).
 
-The V2 runner keeps request state on the GPU and prepares each step's inputs
-there, so nothing here reads device data on the host. The plugin steps in at
-four points (patches._patch_v2_model_runner):
+The V2 runner keeps request state on the GPU and prepares each step's inputs there,
+so nothing here reads device data on the host. :class:`DDTreeV2ModelRunner` overrides
+the runner's methods where a line of the step (``ops/step.py``) happens:
 
-1. the speculator: :class:`~vllm_ddtree.runner.v2_speculator.DDTreeSpeculator` drafts
-   as V2's DFlash does and builds each request's tree in the same pass;
-2. after ``prepare_attn`` (slot mappings are made from sequential positions
-   there, so each node's KV goes to slot ``start + i``): the trees of the
-   step, checked against the drafts the batch carries; verify rows get their
-   depth positions and the ancestor masks go to the persistent mask buffer
-   (:func:`begin_verify_step`); the target's attention metadata is built with
-   the tree published (:func:`publish_for_build`);
-3. the rejection sampler: :class:`DDTreeV2Sampler` takes the target's token at
-   every node with V2's own sampler (greedy, or a sample keyed by the node's
-   position), walks the trees, and compacts the accepted path (KV rows, hidden
-   and aux hidden states, positions) so that vLLM's bookkeeping and the
-   drafter's next pass see a chain step with k accepted drafts;
-4. the drafter's pass over the same batch puts request i's tree in row i; the walk's
-   graph in 3 has mapped request states to those rows already (after any other step
-   the speculator maps them itself).
+1-2. draft, build the tree: the speculator is a
+     :class:`~vllm_ddtree.runner.v2_speculator.DDTreeSpeculator`, which builds each
+     request's tree inside V2's DFlash pass (vLLM's ``init_speculator``, patched for
+     DDTree engines: patches.py);
+3.   verify: after ``prepare_attn`` (slot mappings come from sequential positions, so
+     node i's KV goes to slot ``start + i``), :func:`begin_verify_step` checks the
+     step's trees against the drafts the batch carries, gives verify rows their depth
+     positions and writes the ancestor masks into the persistent mask buffer; the
+     target's attention metadata is built with the tree published
+     (:func:`publish_for_build`);
+4-6. the rejection sampler is a :class:`~vllm_ddtree.runner.v2_sampler.DDTreeV2Sampler`:
+     the target's token at every node, the walk, the compaction of the accepted path.
 
-In engines with CUDA graphs, the launches of 2 and of the walk and compaction in 3
-replay as one graph each per batch shape (step_graphs.py), over the step buffers
-(:class:`StepBuffers`) and vLLM's persistent input buffers.
+In engines with CUDA graphs, the launches of line 3 and of lines 5-6 replay as one graph
+each per batch shape (step_graphs.py), over the step buffers (runner/v2_state.py) and
+vLLM's persistent input buffers.
 
-Requests whose sampling reads the drafts as a chain (repetition, frequency or
-presence penalties, bad words, a thinking budget, custom logits processors) are verified as the
-chain of their drafts; a batch with structured-output requests goes to vLLM's
-own rejection sampler, as chains.
+Requests whose sampling reads the drafts as a chain (repetition, frequency or presence
+penalties, bad words, a thinking budget, custom logits processors) verify their drafts
+as a chain; a batch with structured-output requests goes to vLLM's own rejection
+sampler, as chains.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm_ddtree.attention.state import (
     TreeAttentionInfo,
@@ -48,28 +45,30 @@ from vllm_ddtree.attention.state import (
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.kernels.step_trees import step_trees_triton
 from vllm_ddtree.runner.common import (
+    check_tree_backends,
     log_graph_coverage,
+    warm_up_kernels,
 )
 from vllm_ddtree.runner.step_graphs import enabled_by_env
 from vllm_ddtree.runner.v2_sampler import DDTreeV2Sampler, tree_allowed
 from vllm_ddtree.runner.v2_state import DDTreeV2State
-from vllm_ddtree.sync import to_device
+from vllm_ddtree.sync import step_phase, to_device
 from vllm_ddtree.tensors import (
     TreeVerifyStep,
 )
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.input_batch import InputBatch
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
 
 def install(runner: GPUModelRunner) -> None:
-    """Turn a freshly built V2 model runner into a DDTree runner (no-op otherwise)."""
+    """Make a freshly built V2 model runner a DDTree runner (its state), after checking
+    that the engine asks for nothing DDTree's V2 path lacks."""
     ddtree = get_ddtree_config(runner.vllm_config)
     if ddtree is None:
-        return
+        raise ValueError("a DDTree model runner needs a DDTree speculative config")
     from vllm_ddtree.attention import register_backends
     from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
 
@@ -198,3 +197,37 @@ def _leading(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.shape[0] == n else t[:n]
 
 
+class DDTreeV2ModelRunner(GPUModelRunner):
+    """vLLM's V2 model runner with DDTree (built by runner/worker.py). Each override calls
+    vLLM's method and adds one line of the step."""
+
+    ddtree_state: DDTreeV2State
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # builds the DDTreeSpeculator: lines 1-2
+        install(self)
+
+    def load_model(self, *args: Any, **kwargs: Any):
+        result = super().load_model(*args, **kwargs)
+        after_load_model(self)  # the tree sampler (lines 4-6); the tree published (3)
+        return result
+
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any):
+        result = super().initialize_kv_cache(*args, **kwargs)
+        check_tree_backends(self)  # every target layer has tree attention (line 3)
+        warm_up_kernels(self)
+        return result
+
+    def prepare_attn(self, input_batch: InputBatch):
+        result = super().prepare_attn(input_batch)
+        with step_phase("ddtree.begin_verify", self.device):
+            begin_verify_step(self, input_batch)  # line 3: depth positions, masks
+        return result
+
+    def sample_tokens(self, *args: Any, **kwargs: Any):
+        state = self.ddtree_state
+        state.exec_state = self.execute_model_state  # what compaction moves (line 6)
+        try:
+            return super().sample_tokens(*args, **kwargs)
+        finally:
+            state.exec_state = state.step = state.attn_info = None
