@@ -1,7 +1,7 @@
 """Per-step cost of the DDTree host-side tensor ops next to a Qwen3-8B-shaped step.
 
 Tree ops = build_ddtree (top-K per depth over the vocabulary + best-prefix selection)
-+ walk_tree + compaction as vllm_ddtree/runner.py does it on CUDA: one launch for the
++ walk_tree + compaction as vllm_ddtree/runner/common.py does it on CUDA: one launch for the
 KV moves of every layer's paged cache (vLLM's CUDA layout), the hidden-state and
 token-id rows, and the positions back in chain order (compact_step_triton). Timed eagerly (host wall time per
 call, synchronised) and as a CUDA-graph replay, with a per-op eager breakdown.

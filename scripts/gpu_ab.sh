@@ -11,7 +11,7 @@
 # AB_METHODS (default ddtree), AB_BATCHES (default 1), AB_ROUNDS (default 2), AB_RUNNER
 # (DDTree's model runner, default v1, the settings of the earlier A/B runs): each round
 # runs REF then the working tree, one engine per method, through bench_gpu_step.py with
-# the step-cost settings of benchmarks/README.md. Results: $OUT/ab_{ref,new}_ROUND.json,
+# the step-cost settings of docs/benchmarks.md. Results: $OUT/ab_{ref,new}_ROUND.json,
 # and a table of ms/step per engine and the new/ref ratio per round.
 set -uo pipefail
 what=${1:-}; shift || true

@@ -48,7 +48,7 @@ real_target() {
   (cd "$gdir" && sha256sum -c "$OLDPWD/.dflash_kit/SHA256SUMS") >&2 || return 3
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
     .dflash_kit/gguf-*.whl >&2 || return 1
-  python3 -c "from vllm_ddtree.real_models import make_smollm2 as m; \
+  python3 -c "from vllm_ddtree.checkpoints.smollm2 import make_smollm2 as m; \
 print(m('/root/smollm2', '$gguf'))" | tail -n 1
 }
 drafter=models/dflash-smollm2-135m-b8

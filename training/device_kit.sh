@@ -13,7 +13,7 @@ PY=${PYTHON:-/work/venv/bin/python}
 KIT=.dflash_kit
 grep -qx "/$KIT/" .git/info/exclude 2>/dev/null || echo "/$KIT/" >> .git/info/exclude
 mkdir -p "$KIT"
-GGUF=$($PY -c "from vllm_ddtree.real_models import smollm2_gguf_path as p; print(p())")
+GGUF=$($PY -c "from vllm_ddtree.checkpoints.smollm2 import smollm2_gguf_path as p; print(p())")
 rm -f "$KIT"/part_*
 split -b 48M "$GGUF" "$KIT/part_"
 (cd "$(dirname "$GGUF")" && sha256sum "$(basename "$GGUF")") > "$KIT/SHA256SUMS"

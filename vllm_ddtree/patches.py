@@ -128,6 +128,11 @@ def _configure_engine(engine_args, spec: dict[str, Any], model_config, parallel_
 
     from vllm_ddtree.spec_config import make_ddtree_speculative_config
 
+    if model_config.uses_mrope:
+        raise NotImplementedError(
+            "DDTree does not support M-RoPE target models (multimodal rotary positions) "
+            "yet: a tree node's position is its depth, one number per row."
+        )
     if _select_model_runner(model_config, parallel_config) == "v1":
         # Async scheduling only when asked for (--async-scheduling) on V1: it runs
         # through vLLM's V1 bookkeeping (drafts kept on the device, counts corrected
@@ -176,8 +181,8 @@ def _select_model_runner(model_config, parallel_config) -> str:
     An explicit ``VLLM_USE_V2_MODEL_RUNNER`` is followed (1 on a platform without
     the V2 path is an error). Unset, DDTree takes vLLM's own GPU default, the V2
     runner, on vLLM 0.33 with CUDA (runner/v2.py), unless the engine needs what
-    DDTree's V2 path lacks (M-RoPE, pipeline parallelism); the V1 runner elsewhere
-    (the CPU backend always)."""
+    DDTree's V2 path lacks (pipeline parallelism); the V1 runner elsewhere (the CPU
+    backend always)."""
     asked = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower()
     if asked in ("1", "true"):
         if not _v2_runner_supported():
@@ -192,7 +197,6 @@ def _select_model_runner(model_config, parallel_config) -> str:
     else:
         # What runner.v2.install refuses and DDTree ran on V1 with before V2 existed.
         lacking = [name for name, on in (
-            ("M-RoPE target models", model_config.uses_mrope),
             ("pipeline parallelism", parallel_config.pipeline_parallel_size > 1),
         ) if on]
         runner = "v1" if lacking else "v2"

@@ -5,6 +5,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,8 @@ from training.dflash_model import (
 from vllm_ddtree.checkpoints import smollm2 as real_models
 from vllm_ddtree.checkpoints import tiny as tm
 
-TRAINED = Path(__file__).resolve().parents[2] / "models" / "dflash-smollm2-135m-b8"
+ROOT = Path(__file__).resolve().parents[2]
+TRAINED = ROOT / "models" / "dflash-smollm2-135m-b8"
 
 
 @pytest.mark.slow
@@ -41,6 +45,25 @@ def test_smollm2_is_cached(smollm2: Path) -> None:
     before = (smollm2 / "model.safetensors").stat().st_mtime_ns
     assert real_models.make_smollm2(smollm2) == smollm2
     assert (smollm2 / "model.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.slow
+def test_smollm2_command_prints_the_checkpoint_dir(smollm2: Path) -> None:
+    """``--model "$(python -m vllm_ddtree.checkpoints.smollm2)"`` works in a shell:
+    the directory is stdout's only line, progress goes to stderr."""
+    script = ('dir="$("$PYTHON" -m vllm_ddtree.checkpoints.smollm2 --out "$OUT")"; '
+              'test -f "$dir/config.json" && printf "%s" "$dir"')
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": sys.executable, "OUT": str(smollm2)},
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == str(smollm2.resolve())
+    assert f"cached at {smollm2}" in proc.stderr
+
+    direct = subprocess.run([sys.executable, "-m", "vllm_ddtree.checkpoints.smollm2",
+                             "--out", str(smollm2)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert direct.returncode == 0 and direct.stdout.splitlines() == [str(smollm2.resolve())]
 
 
 @pytest.mark.slow

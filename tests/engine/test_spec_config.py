@@ -204,19 +204,17 @@ def test_v2_model_runner_is_the_default_where_ddtree_has_it(
         runner, async_scheduling)
 
 
-@pytest.mark.parametrize("mrope,pipeline,runner", [
-    (False, 1, "v2"), (True, 1, "v1"), (False, 2, "v1"),
-], ids=["plain", "mrope", "pipeline"])
-def test_targets_the_v2_path_lacks_run_on_v1(monkeypatch, mrope, pipeline, runner):
-    """Unset, the choice falls to V1 for what DDTree's V2 path cannot run (M-RoPE,
-    pipeline parallelism), where runner.v2.install would refuse the engine."""
+@pytest.mark.parametrize("pipeline,runner", [(1, "v2"), (2, "v1")], ids=["plain", "pipeline"])
+def test_targets_the_v2_path_lacks_run_on_v1(monkeypatch, pipeline, runner):
+    """Unset, the choice falls to V1 for what DDTree's V2 path cannot run (pipeline
+    parallelism), where runner.v2.install would refuse the engine."""
     from types import SimpleNamespace
 
     from vllm_ddtree import patches
 
     monkeypatch.setattr(patches, "_v2_runner_supported", lambda: True)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    model = SimpleNamespace(uses_mrope=mrope)
+    model = SimpleNamespace(uses_mrope=False)
     parallel = SimpleNamespace(pipeline_parallel_size=pipeline)
     assert patches._select_model_runner(model, parallel) == runner
     import os
@@ -391,3 +389,15 @@ def test_ddtree_and_dflash_hash_differently(tiny_llama, drafter):
     )
     assert tree.speculative_config.compute_hash() != chain.speculative_config.compute_hash()
     assert tree.compute_hash() != chain.compute_hash()
+
+
+def test_mrope_targets_are_refused_while_the_engine_is_configured():
+    """A tree node's position is one number (its depth); M-RoPE targets stop at start-up
+    with a message that says so, on either runner."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree import patches
+
+    with pytest.raises(NotImplementedError, match="M-RoPE"):
+        patches._configure_engine(SimpleNamespace(async_scheduling=None), {},
+                                  SimpleNamespace(uses_mrope=True), SimpleNamespace())

@@ -18,7 +18,7 @@ FlashAttention, non-causal, over each request's prefix alone (``seqused_k =
 seq_len - query_len``), returning its LSE; then the tree kernel starts from that
 partial softmax and attends to the tree keys only (:func:`flash_prefix_step`).
 FlashAttention 3 is about 1.8x faster than the tree kernel over a long prefix
-(benchmarks/README.md), and the tree keys are at most budget + 1.
+(benchmarks/results/tree_attention_h200.json), and the tree keys are at most budget + 1.
 
 CUDA graphs: the builders declare ``UNIFORM_BATCH`` support, so vLLM captures
 full graphs for uniform batches of ``budget + 1`` query rows per request (the

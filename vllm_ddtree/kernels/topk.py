@@ -11,7 +11,7 @@ is the rule below with no tie left to repair; at batch 32 a Qwen3 drafter's 480 
 of 151936 float32 log-probabilities are read once (about 0.3 GB), where torch.topk's
 radix selection passes over them several times. Its cost grows with k (k rounds of a
 block-wide max): on the H200 at k = 16 it took 0.38x torch.topk + repair's time at
-batch 1 and 0.79x at batch 32 (benchmarks/README.md), hence the dispatch bound.
+batch 1 and 0.79x at batch 32 (benchmarks/results/tree_ops_topk_h200.json), hence the dispatch bound.
 
 ``tree.topk_per_depth`` calls it on CUDA; its torch twin, ``tree._repair_ties``, is
 the CPU path and the test oracle. The rule: the top-k of the clamped log-probabilities,

@@ -226,7 +226,7 @@ def pick_prefix_given_config(
 ) -> TileConfig:
     """Tiles for the tree keys alone, FlashAttention having taken the prefix: at most
     budget + 1 keys, most of them hidden from a row, in one pass (one stage). From an
-    H200 sweep (``bench_tree_attention.py --split-sweep``, benchmarks/README.md):
+    H200 sweep (``bench_tree_attention.py --split-sweep``, docs/benchmarks.md):
     32 rows x 32 keys when at most a quarter of the SMs get a (request, KV head); 64
     rows beyond, with 16-key tiles for trees over 32 rows (then walked as each query
     tile's listed keys, 16 at a time: still the fastest of the configs timed with the
@@ -250,7 +250,7 @@ def pick_tile_config(
     num_sms: int = 132,
     max_seq_len: int | None = None,
 ) -> TileConfig:
-    """Tiles for Hopper, picked from an H200 sweep (benchmarks/README.md);
+    """Tiles for Hopper, picked from an H200 sweep (docs/history.md);
     ``num_pairs`` = requests x KV heads.
 
     16-bit, head_dim 128: 128 query rows x 128 keys, 3 stages (fastest on every swept
@@ -259,7 +259,7 @@ def pick_tile_config(
     <= 128 query rows and in 2 for 129-512 (budgets 32-127 at 4 query heads per KV
     head) when the keys are known to be at most LIGHT_TILES_MAX_SEQ (more query
     tiles read the prefix more often: at 16K and 32K the heavy tiles win; the
-    2026-12-01 sweep and table in benchmarks/README.md); fewer
+    2026-12-01 sweep and table in docs/history.md); fewer
     rows when a KV head has fewer than 128 query rows (decode-like rows). Head_dim 64:
     128 x 64 (128 keys spill). Head_dim 256: 64 x 32. Float32 (3-pass tf32): small.
     """

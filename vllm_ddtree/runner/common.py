@@ -81,7 +81,7 @@ def graph_coverage(vllm_config: Any, verify_width: int) -> int | None:
 def log_graph_coverage(vllm_config: Any, ddtree: DDTreeConfig) -> None:
     """Say at start-up how many concurrent requests a verify step may hold and still
     run in a CUDA graph: budget + 1 rows each, so large budgets cover few requests
-    (on the H200, budget 64 at batch 8 ran without graphs; benchmarks/README.md)."""
+    (on the H200, budget 64 at batch 8 ran without graphs; docs/benchmarks.md)."""
     covered = graph_coverage(vllm_config, ddtree.verify_width)
     if covered is None:
         return

@@ -1,0 +1,460 @@
+"""Render the results tables of the docs from benchmarks/results/*.json.
+
+Every table of figures in README.md and docs/*.md sits between two markers,
+
+    <!-- results:NAME -->
+    ...generated markdown...
+    <!-- /results:NAME -->
+
+and NAME picks a function of RENDERERS below, which reads the named results files and
+returns the markdown. Figures in the docs therefore come from the files, never by hand.
+
+    python benchmarks/render_docs.py           # rewrite every block in place
+    python benchmarks/render_docs.py --check   # name stale or unknown blocks, write nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+# Markers start their own lines; a block's body is everything between them.
+BLOCK = re.compile(r"^(<!-- results:([\w-]+) -->\n)(.*?)^(<!-- /results:\2 -->)$",
+                   re.DOTALL | re.MULTILINE)
+OPENING = re.compile(r"<!-- results:([\w-]+) -->")
+
+# The current runs of record, one per benchmark.
+E2E_POOLED = "e2e_h200_b89fd64_pooled.json"
+E2E_CPU = "e2e_cpu_caps.json"
+E2E_TP2 = "e2e_h200x2_tp2_tiny.json"
+GRAPH_COVERAGE = ("e2e_h200_interleave_2.json", "e2e_h200_interleave_1.json")
+GPU_STEP = "gpu_step_20261202_9d08fc0_v2.json"
+# Step cost by batch up to 64 and by tree size (the load question), one H200 session.
+GPU_STEP_LOAD = ("gpu_step_h200_v2_load.json", "gpu_step_h200_v2_small_trees.json")
+TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
+TREE_OPS = ("tree_ops_preorder_fused_ab_h200.json", "fused")
+PROFILE = "gpu_profile_20261204_cb12350_real.json"
+
+
+class Doc:
+    """The document a block is rendered into: links are relative to its folder."""
+
+    def __init__(self, path: Path) -> None:
+        self.dir = path.parent
+
+    def link(self, name: str, text: str | None = None) -> str:
+        """A markdown link to ``benchmarks/results/<name>``."""
+        target = os.path.relpath(RESULTS / name, self.dir).replace(os.sep, "/")
+        return f"[{text or name}]({target})"
+
+
+Renderer = Callable[[Doc], str]
+RENDERERS: dict[str, Renderer] = {}
+
+
+def renderer(name: str) -> Callable[[Renderer], Renderer]:
+    def register(fn: Renderer) -> Renderer:
+        RENDERERS[name] = fn
+        return fn
+
+    return register
+
+
+# --- reading results files ---------------------------------------------------------
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / name).read_text())
+
+
+def row_at(rows: list[dict], temperature: float, batch: int) -> dict:
+    return next(r for r in rows if r["temperature"] == temperature and r["batch"] == batch)
+
+
+def method_label(name: str) -> str:
+    """``ddtree-b16-knone`` -> ``DDTree B=16, no cap``; ``ddtree-b16-k4`` -> ``... cap 4``."""
+    found = re.fullmatch(r"ddtree-b(\d+)-k(\w+?)(-.*)?", name)
+    if not found:
+        return name
+    budget, cap, rest = found.groups()
+    cap_text = "no cap" if cap == "none" else f"cap {cap}"
+    return f"DDTree B={budget}, {cap_text}{rest or ''}"
+
+
+def table(header: list[str], rows: list[list[str]], align: str = "") -> str:
+    """A pipe table; ``align`` holds one of l/r per column (default: first l, rest r)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = [header, rule, *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def span(values: list[float], fmt: str = "{:.2f}") -> str:
+    """One value if they agree at this precision, else low-high."""
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
+def run_setup(run: dict) -> str:
+    """One line on how an e2e run was made, from its own fields."""
+    parts = [run["dtype"], "CUDA graphs" if run.get("graphs") else "eager",
+             f"{run['max_tokens']} new tokens per request"]
+    if run.get("tensor_parallel_size", 1) > 1:
+        parts.append(f"tensor parallelism {run['tensor_parallel_size']}")
+    if run.get("interleaved"):
+        parts.append("all engines alive, timed in turn")
+    return ", ".join(parts)
+
+
+# --- end to end (bench_e2e.py) -----------------------------------------------------
+
+
+def pooled_inputs() -> tuple[dict, list[dict]]:
+    pooled = load(E2E_POOLED)
+    return pooled, [load(name) for name in pooled["files"]]
+
+
+@renderer("readme-h200")
+def readme_h200(doc: Doc) -> str:
+    """README's one table: the real pair on the H200, DDTree's tokens/s over the chain's
+    round by round (median and interval over the pooled runs), and both taus."""
+    pooled, runs = pooled_inputs()
+    rows = []
+    for r in pooled["rows"]:
+        key = (r["temperature"], r["batch"])
+        taus = {m: [row_at(run["results"][m], *key)["tau"] for run in runs]
+                for m in ("chain", r["method"])}
+        rows.append([f"{r['temperature']:g}", str(r["batch"]), span(taus["chain"]),
+                     span(taus[r["method"]]), f"**{x(r['median'])}**",
+                     "-".join(x(v) for v in r["interval_90"]),
+                     f"{r['rounds']} ({len(r['runs'])})"])
+    methods = sorted({method_label(r["method"]) for r in pooled["rows"]})
+    return "\n".join([
+        table(["T", "batch", "tau, chain", "tau, DDTree", "tokens/s, DDTree ÷ chain (median)",
+               "90% interval", "rounds (runs)"], rows, "rrrrrrr"),
+        "",
+        (f"One H200, SmolLM2-135M-Instruct and its trained DFlash drafter: "
+         f"{'; '.join(methods)}, against vLLM's DFlash chain on the same drafter; "
+         f"{run_setup(runs[0])}. tau: tokens committed per verify step. "
+         f"Source: {doc.link(E2E_POOLED, 'pooled results')}."),
+    ])
+
+
+@renderer("e2e-h200-pooled")
+def e2e_h200_pooled(doc: Doc) -> str:
+    """Everything ``bench_e2e.py --pool`` computes, per row."""
+    pooled, runs = pooled_inputs()
+    target = pooled["target"]
+    rows = [[method_label(r["method"]), f"{r['temperature']:g}", str(r["batch"]),
+             f"{len(r['runs'])} / {r['rounds']}", x(r["median"]),
+             "-".join(x(v) for v in r["interval_90"]), f"{x(r['min'])}-{x(r['max'])}",
+             f"{r['share_at_target']:.0%}", ", ".join(x(run["median"]) for run in r["runs"])]
+            for r in pooled["rows"]]
+    return "\n".join([
+        table(["method", "T", "batch", "runs / rounds", "median", "90% interval", "range",
+               f"rounds ≥ {target:g}x", "run medians"], rows),
+        "",
+        (f"Each round: DDTree's tokens/s over the chain's in the same round "
+         f"({run_setup(runs[0])}). Source: {doc.link(E2E_POOLED)}, pooled from "
+         + ", ".join(doc.link(name) for name in pooled["files"]) + "."),
+    ])
+
+
+@renderer("e2e-h200-runs")
+def e2e_h200_runs(doc: Doc) -> str:
+    """The pooled runs one by one: tau, tokens/s and (batch 1) ms per verify step."""
+    pooled, runs = pooled_inputs()
+    rows = []
+    for number, run in enumerate(runs, start=1):
+        chain = run["results"]["chain"]
+        for method, results in run["results"].items():
+            for r in results:
+                base = row_at(chain, r["temperature"], r["batch"])
+                step = (f"{1000 * r['seconds'] / r['steps']:.2f}"
+                        if r["batch"] == 1 and r["steps"] else "-")
+                rows.append([str(number), method_label(method), f"{r['temperature']:g}",
+                             str(r["batch"]), f"{r['tau']:.2f}", f"{r['tok_per_s']:.0f}",
+                             step, x(r["tok_per_s"] / base["tok_per_s"])])
+    return "\n".join([
+        table(["run", "method", "T", "batch", "tau", "tokens/s", "ms per verify step",
+               "÷ chain"], rows, "lrrrrrrr"),
+        "",
+        "tokens/s: the median timed round; ms per verify step at batch 1 (the four prompts "
+        "one at a time). Sources: " + ", ".join(doc.link(n) for n in pooled["files"]) + ".",
+    ])
+
+
+@renderer("e2e-cpu")
+def e2e_cpu(doc: Doc) -> str:
+    """tau by budget and top-k cap on the CPU, float32."""
+    run = load(E2E_CPU)
+    keys = [(0.0, 1), (0.0, 8), (1.0, 1), (1.0, 8)]
+    rows = [[method_label(m), *(f"{row_at(res, *k)['tau']:.2f}" for k in keys)]
+            for m, res in run["results"].items()]
+    return "\n".join([
+        table(["method", "tau, T=0, batch 1", "T=0, batch 8", "T=1, batch 1", "T=1, batch 8"],
+              rows),
+        "",
+        (f"SmolLM2-135M-Instruct and its drafter on a CPU, {run_setup(run)}. "
+         f"Source: {doc.link(E2E_CPU)}."),
+    ])
+
+
+@renderer("e2e-tp2")
+def e2e_tp2(doc: Doc) -> str:
+    """Two GPUs, tensor parallelism 2, tiny random pair: what speculation costs there."""
+    run = load(E2E_TP2)
+    res = run["results"]
+    rows = []
+    for batch in sorted({r["batch"] for r in res["plain"]}):
+        plain, chain = row_at(res["plain"], 0.0, batch), row_at(res["chain"], 0.0, batch)
+        for method, results in res.items():
+            r = row_at(results, 0.0, batch)
+            rows.append([method_label(method), str(batch), f"{r['tau']:.2f}",
+                         f"{r['tok_per_s']:.0f}", x(r["tok_per_s"] / plain["tok_per_s"]),
+                         x(r["tok_per_s"] / chain["tok_per_s"])])
+    return "\n".join([
+        table(["method", "batch", "tau", "tokens/s", "÷ plain", "÷ chain"], rows),
+        "",
+        (f"Two H200s, T=0, {run_setup(run)}, custom all-reduce "
+         f"{'on' if run.get('custom_all_reduce') else 'off'}. "
+         f"Source: {doc.link(E2E_TP2)}."),
+    ])
+
+
+@renderer("graph-coverage")
+def graph_coverage(doc: Doc) -> str:
+    """Batch 8 at T=0 by budget: rows per verify step against DDTree's speed."""
+    rows = []
+    for name in GRAPH_COVERAGE:
+        res = load(name)["results"]
+        chain = row_at(res["chain"], 0.0, 8)
+        for method, results in res.items():
+            found = re.match(r"ddtree-b(\d+)", method)
+            if not found:
+                continue
+            r = row_at(results, 0.0, 8)
+            rows.append((int(found[1]), [method_label(method), str(8 * (int(found[1]) + 1)),
+                                         f"{r['tau']:.2f}", f"{chain['tau']:.2f}",
+                                         x(r["tok_per_s"] / chain["tok_per_s"])]))
+    return "\n".join([
+        table(["method", "rows per verify step at batch 8", "tau", "tau, chain",
+               "tokens/s ÷ chain"], [cells for _, cells in sorted(rows)]),
+        "",
+        "Real pair, H200, T=0, batch 8, an earlier version of the step than the tables "
+        "above. Sources: " + ", ".join(doc.link(n) for n in GRAPH_COVERAGE) + ".",
+    ])
+
+
+# --- step cost, kernels and profile --------------------------------------------------
+
+
+@renderer("gpu-step")
+def gpu_step(doc: Doc) -> str:
+    """ms per decode step by method and batch, and the plugin's own share of it."""
+    data = load(GPU_STEP)
+    runs = data["runs"]
+    batches = sorted({row["batch"] for run in runs for row in run["rows"]})
+    ms = {(run["method"], row["batch"]): row["ms_per_step"] for run in runs for row in run["rows"]}
+    rows = []
+    for run in runs:
+        name = run["method"] + (f" B={run['budget']}" if run.get("budget") else "")
+        cells = [f"{ms[run['method'], b]:.3f}" for b in batches]
+        cells += [x(ms[run["method"], b] / ms["chain", b]) for b in batches]
+        rows.append([f"{name} ({run['runner']})", *cells])
+    steps = table(["method (runner)", *(f"ms, batch {b}" for b in batches),
+                   *(f"÷ chain, batch {b}" for b in batches)], rows)
+    ops = [[str(o["batch"]), str(o["budget"]), f"{o['ddtree_step_ms']:.3f}",
+            f"{o['ops_engine_ms']:.3f}", f"{o['share_engine_pct']:.1f}%",
+            f"{o['ops_graph_ms']:.3f}"] for o in data["tree_ops"]]
+    share = table(["batch", "budget", "DDTree step, ms", "tree build + walk + compaction, ms",
+                   "share of the step", "the same as one CUDA graph, ms"], ops)
+    args = data["arguments"]
+    return "\n".join([
+        steps, "", share, "",
+        (f"vLLM {data['environment']['vllm']} on an H200, Qwen3-8B-shaped target with dummy "
+         f"weights, prompts of {args['prompt_len']} tokens, bf16, CUDA graphs; nothing is "
+         f"accepted, so these are costs per step. Source: {doc.link(GPU_STEP)}."),
+    ])
+
+
+@renderer("gpu-step-load")
+def gpu_step_load(doc: Doc) -> str:
+    """ms per step by batch up to 64 for plain decoding, the chain and DDTree at several
+    budgets, with what each step costs over plain decoding: the tokens per step (tau) a
+    method must commit to break even with it."""
+    runs = [run for name in GPU_STEP_LOAD for run in load(name)["runs"] if not run["error"]]
+    ms = {(run["method"], run.get("budget"), row["batch"]): row["ms_per_step"]
+          for run in runs for row in run["rows"]}
+    batches = sorted({b for _, _, b in ms})
+    order = sorted({(m, b) for m, b, _ in ms}, key=lambda k: (
+        ["plain", "chain", "ddtree"].index(k[0]), k[1] or 0))
+    rows = []
+    for method, budget in order:
+        spec = next(run["speculative_config"] for run in runs
+                    if run["method"] == method and run.get("budget") == budget)
+        spec = spec or {}  # verify rows per request: drafts sent + the root
+        width = 1 + spec.get("ddtree_budget", spec.get("num_speculative_tokens", 0))
+        name = method + (f" B={budget}" if budget else "")
+        cells = [f"{ms[method, budget, b]:.2f}" for b in batches]
+        cells += [f"{ms[method, budget, b] / ms['plain', None, b]:.2f}" for b in batches]
+        capture = {run["engine"]["max_cudagraph_capture_size"] for run in runs
+                   if run["method"] == method and run.get("budget") == budget}
+        rows.append([name, str(width), *cells,
+                     ", ".join(map(str, sorted(capture)))])
+    header = ["method", "rows per request", *(f"ms, batch {b}" for b in batches),
+              *(f"break-even tau, batch {b}" for b in batches), "graphs up to (rows)"]
+    data = load(GPU_STEP_LOAD[0])
+    args = data["arguments"]
+    links = ", ".join(doc.link(name) for name in GPU_STEP_LOAD)
+    return "\n".join([
+        table(header, rows), "",
+        (f"vLLM {data['environment']['vllm']}, V2 runner, on an H200: Qwen3-8B-shaped target "
+         f"with dummy weights, prompts of {args['prompt_len']} tokens, bf16, CUDA graphs "
+         "sized by the benchmark to cover every batch measured; one round. Break-even tau "
+         "is the step's cost over plain decoding's: the tokens a step must commit to match "
+         f"plain decoding's speed. The chain verifies block-size rows (16). Sources: {links}."),
+    ])
+
+
+@renderer("tree-attention")
+def tree_attention(doc: Doc) -> str:
+    """Tree attention over FlashAttention 3's causal attention, every measured size."""
+    data = load(TREE_ATTENTION)
+    results = {(r["context"], r["batch"], r["budget"]): r for r in data["results"]}
+    budgets = sorted({k[2] for k in results})
+    rows = []
+    for context, batch in sorted({k[:2] for k in results}):
+        cells = []
+        for budget in budgets:
+            r = results[context, batch, budget]
+            cells += [f"{r['fa3_ms']:.4f}", f"{r['split_ms'] / r['fa3_ms']:.2f}",
+                      f"{r['tree_ms'] / r['fa3_ms']:.2f}"]
+        rows.append([str(context), str(batch), *cells])
+    header = ["context", "batch"]
+    for budget in budgets:
+        header += [f"B={budget}: FA3 ms", "split ÷ FA3", "tree ÷ FA3"]
+    best = [min(r["tree_ms"], r["split_ms"]) / r["fa3_ms"] for r in results.values()]
+    within = sum(b <= 1.2 for b in best)
+    return "\n".join([
+        table(header, rows),
+        "",
+        (f"The faster of split and tree is within 1.2x of FlashAttention 3 at {within} of "
+         f"{len(best)} sizes (largest {x(max(best))}; median {x(statistics.median(best))}). "
+         f"{data['device']}, {data['dtype']}, heads {data['heads'][0]}/{data['heads'][1]} of "
+         f"{data['head_dim']}, {data['page_size']}-token pages, {data['tree_layout']} trees, "
+         f"{data['timing']}. Source: {doc.link(TREE_ATTENTION)}."),
+    ])
+
+
+@renderer("tree-ops")
+def tree_ops(doc: Doc) -> str:
+    """The plugin's tree build, walk and compaction next to a Qwen3-8B-shaped step."""
+    name, run_name = TREE_OPS
+    run = load(name)["runs"][run_name]
+    rows = [[str(r["batch"]), str(r["budget"]), f"{r['build_graph_ms']:.3f}",
+             f"{r['walk_graph_ms']:.3f}", f"{r['compact_graph_ms']:.3f}",
+             f"{r['ops_graph_ms']:.3f}", f"{r['verify_step_ms']:.3f}", f"{r['graph_pct']:.1f}%"]
+            for r in run["results"]]
+    return "\n".join([
+        table(["batch", "budget", "build ms", "walk ms", "compaction ms", "total ms",
+               "verify step ms", "share"], rows),
+        "",
+        (f"One CUDA-graph replay each; vocabulary {run['vocab']}, depth {run['max_depth']}, "
+         f"{run['layers']} layers, {run['context']}-token prefix, {run['device']}. "
+         f"Source: {doc.link(name)} (run `{run_name}`)."),
+    ])
+
+
+@renderer("profile")
+def profile(doc: Doc) -> str:
+    """Per decode step of the real pair: time without profilers, host parts, GPU busy."""
+    data = load(PROFILE)
+    parts = ("LLMEngine.step", "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens")
+    rows = []
+    for r in data["results"]:
+        host = {p["part"]: p["host_ms"] for p in r["host_parts"]}
+        name = r["method"] + (f" B={r['budget']}" if r.get("budget") else "")
+        rows.append([name, str(r["batch"]), f"{r['unprofiled_ms_per_step']:.2f}",
+                     f"{r['tokens_per_step']:.2f}", *(f"{host[p]:.2f}" for p in parts),
+                     f"{r['kernel_ms_per_step']:.2f}", f"{r['gpu_busy_share']:.0%}"])
+    return "\n".join([
+        table(["method", "batch", "ms per step, no profiler", "tokens per step",
+               "engine step, host ms", "execute_model", "sample_tokens", "kernel ms",
+               "GPU busy"], rows),
+        "",
+        (f"Real pair on an H200, {data['runner'].upper()} runner, an earlier version of the "
+         f"step than the end-to-end tables. Host times are inclusive, with timers in. "
+         f"Source: {doc.link(PROFILE)}."),
+    ])
+
+
+# --- the blocks ------------------------------------------------------------------------
+
+
+def render_text(text: str, doc: Doc) -> tuple[str, list[str]]:
+    """``text`` with every block rendered, and the names whose blocks changed."""
+    unknown = [n for n in OPENING.findall(text) if n not in RENDERERS]
+    if unknown:
+        raise KeyError(f"no renderer for block(s) {unknown}; known: {sorted(RENDERERS)}")
+    changed: list[str] = []
+
+    def fill(match: re.Match) -> str:
+        # Blank lines around the table: markdown ends the marker's HTML block there.
+        body = "\n" + RENDERERS[match[2]](doc).strip("\n") + "\n\n"
+        if body != match[3]:
+            changed.append(match[2])
+        return match[1] + body + match[4]
+
+    rendered = BLOCK.sub(fill, text)
+    if len(BLOCK.findall(text)) != len(OPENING.findall(text)):
+        raise ValueError("a <!-- results:NAME --> marker is indented or has no closing marker")
+    return rendered, changed
+
+
+def stale_blocks(docs: tuple[Path, ...] | None = None) -> list[str]:
+    """``path: NAME`` for every block whose text is not what its renderer gives."""
+    stale = []
+    for path in DOCS if docs is None else docs:
+        _, changed = render_text(path.read_text(), Doc(path))
+        stale += [f"{path.relative_to(ROOT)}: {name}" for name in changed]
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a block is stale; write nothing")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_blocks()
+        for entry in stale:
+            print(f"stale: {entry}")
+        if stale:
+            print("run: python benchmarks/render_docs.py")
+        return 1 if stale else 0
+    for path in DOCS:
+        text = path.read_text()
+        rendered, changed = render_text(text, Doc(path))
+        if changed:
+            path.write_text(rendered)
+            print(f"{path.relative_to(ROOT)}: rendered {', '.join(changed)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
