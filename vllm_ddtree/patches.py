@@ -19,6 +19,8 @@ Process-wide, applied by ``register()`` (PROCESS_PATCHES):
 ``VllmConfig.num_lookahead_tokens``             1          KV slots for the drafter's
                                                            whole block
 ``SamplingParams._validate_spec_decode``        4          allow min-p and logit bias
+``VllmConfig._set_cudagraph_sizes``             3          a graph for every verify step
+                                                           (capture_sizes.py)
 Per DDTree engine, while it is configured (``_configure_engine``):
 ``os.environ["VLLM_USE_V2_MODEL_RUNNER"]``      config     the runner the workers build
 ``ParallelConfig.worker_cls``                   all        DDTree's worker (a seam)
@@ -249,6 +251,26 @@ def _patch_sampling_params_validation() -> None:
     SamplingParams._validate_spec_decode = _validate_spec_decode
 
 
+def _patch_cudagraph_sizes() -> None:
+    from vllm.config import VllmConfig
+
+    if "VllmConfig._set_cudagraph_sizes" in _orig:
+        return
+    orig = _orig["VllmConfig._set_cudagraph_sizes"] = VllmConfig._set_cudagraph_sizes
+
+    def _set_cudagraph_sizes(self) -> None:
+        from vllm_ddtree.capture_sizes import ddtree_capture_sizes
+
+        sizes = ddtree_capture_sizes(self)  # None: not DDTree, or the user's choice stands
+        if sizes is not None:
+            # As if the user had listed them: vLLM keeps them (up to the batch's
+            # token limit) and captures a graph for each.
+            self.compilation_config.cudagraph_capture_sizes = sizes
+        orig(self)
+
+    VllmConfig._set_cudagraph_sizes = _set_cudagraph_sizes
+
+
 def _patch_build_logitsprocs() -> None:
     import copy
 
@@ -290,6 +312,7 @@ PROCESS_PATCHES: tuple[Callable[[], None], ...] = (
     _patch_create_speculative_config,
     _patch_num_lookahead_tokens,
     _patch_sampling_params_validation,
+    _patch_cudagraph_sizes,
 )
 ENGINE_PATCHES: tuple[tuple[str, Callable[..., None]], ...] = (
     ("v1", _patch_build_logitsprocs),

@@ -41,7 +41,8 @@ def test_register_is_idempotent_and_patches_only_the_process_wide_symbols():
         print("PATCHED", sorted(patches._orig))
     """)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert ("PATCHED ['SamplingParams._validate_spec_decode', 'create_speculative_config', "
+    assert ("PATCHED ['SamplingParams._validate_spec_decode', "
+            "'VllmConfig._set_cudagraph_sizes', 'create_speculative_config', "
             "'num_lookahead_tokens']") in result.stdout
 
 

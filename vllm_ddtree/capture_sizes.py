@@ -1,0 +1,61 @@
+"""CUDA-graph sizes for a DDTree engine: a graph for every verify step it can run.
+
+A verify step is ``budget + 1`` rows per request, and vLLM replays a full CUDA graph
+only for a batch whose size is a captured size and a whole multiple of that width.
+vLLM's default list stops at 512 tokens, so at budget 16 a step of 31 or more
+requests ran without graphs; at 32 requests that alone made a DDTree step about 1.7x
+slower on the H200 (DESIGN notes, §7). For a DDTree engine whose user chose no sizes,
+the plugin therefore captures, besides vLLM's own token grid up to 512:
+
+- ``n * (budget + 1)`` for the request counts vLLM uses for decode (1, 2, 4, 8, ...,
+  every 8 to 256, every 16 beyond) up to ``max_num_seqs``, that count included: each
+  uniform verify step;
+- ``n * block_size`` likewise: the drafter's pass over n requests;
+
+bounded by ``max_num_batched_tokens`` and :data:`MAX_CAPTURE_TOKENS`. The engine logs
+at start-up how many requests its graphs cover (runner/common.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The largest graph a DDTree engine captures unasked: 256 requests at budget 16 fit,
+# and a graph this size holds only activations of one step (vLLM shares one pool).
+MAX_CAPTURE_TOKENS = 8192
+# vLLM's own grid for batches that are not uniform verify steps (prefill next to trees).
+DEFAULT_GRID_MAX = 512
+
+
+def token_grid(limit: int) -> list[int]:
+    """vLLM's grid up to ``limit``: 1, 2, 4, every 8 to 256, every 16 beyond."""
+    sizes = [n for n in (1, 2, 4) if n <= limit]
+    sizes += list(range(8, min(limit + 1, 256), 8))
+    return sizes + list(range(256, limit + 1, 16))
+
+
+def request_counts(max_reqs: int) -> list[int]:
+    """Batch sizes whose steps get a graph: vLLM's grid up to ``max_reqs``, and
+    ``max_reqs`` itself."""
+    return sorted(set(token_grid(max_reqs)) | {max_reqs})
+
+
+def ddtree_capture_sizes(vllm_config: Any) -> list[int] | None:
+    """The capture sizes of a DDTree engine, or None where vLLM's own choice stands: the
+    engine is no DDTree engine, runs without graphs, or the user chose the sizes or
+    their ceiling (``cudagraph_capture_sizes``, ``max_cudagraph_capture_size``)."""
+    ddtree = getattr(vllm_config.speculative_config, "ddtree", None)
+    compilation = vllm_config.compilation_config
+    if ddtree is None or (compilation.cudagraph_capture_sizes is not None
+                          or compilation.max_cudagraph_capture_size is not None):
+        return None
+    model = vllm_config.model_config
+    if model is None or model.enforce_eager:
+        return None
+    ceiling = min(vllm_config.scheduler_config.max_num_batched_tokens, MAX_CAPTURE_TOKENS)
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    sizes = set(token_grid(min(DEFAULT_GRID_MAX, ceiling)))
+    for width in (ddtree.verify_width, ddtree.drafter_width):
+        # Up to the most requests whose step fits under the ceiling, that count included.
+        sizes.update(n * width for n in request_counts(min(max_num_seqs, ceiling // width)))
+    return sorted(sizes)
