@@ -28,23 +28,29 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
-import importlib.util
 import json
-import math
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from gpu_step_report import (  # noqa: E402 (the benchmarks folder is on sys.path)
+    add_ratios,
+    add_shares,
+    describe,
+    environment,
+    gpu_query,
+    save,
+    share_table,
+    step_table,
+)
+from gpu_step_timing import Sample, step_estimate, suspect_pairs, timed_generate
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -284,85 +290,6 @@ def make_prompts(batch: int, prompt_len: int) -> list[dict[str, list[int]]]:
 # --------------------------------------------------------------------- measurement
 
 
-@dataclass
-class Sample:
-    """One timed generate call and the metric deltas around it."""
-
-    max_tokens: int
-    seconds: float
-    tokens: int  # generated, all requests
-    drafts: int  # spec_decode_num_drafts: one per request per verify step
-    accepted: int  # spec_decode_num_accepted_tokens
-    iterations: int | None  # engine steps (prefill included), from iteration_tokens_total
-
-
-def read_counters(llm) -> dict[str, float]:
-    out = {"drafts": 0.0, "accepted": 0.0, "iterations": float("nan")}
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            out["drafts"] += m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            out["accepted"] += m.value
-        elif m.name.startswith("vllm:iteration_tokens") and hasattr(m, "count"):
-            out["iterations"] = m.count
-    return out
-
-
-def timed_generate(llm, prompts: list[dict], max_tokens: int) -> Sample:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            detokenize=False)
-    before = read_counters(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    after = read_counters(llm)
-    d = {k: after[k] - before[k] for k in after}
-    return Sample(max_tokens, seconds, sum(len(o.outputs[0].token_ids) for o in outputs),
-                  int(d["drafts"]), int(d["accepted"]),
-                  None if math.isnan(d["iterations"]) else int(d["iterations"]))
-
-
-def step_estimate(short: Sample, long: Sample, batch: int, speculative: bool) -> dict:
-    """Decode-only cost: the long call's extra time over its extra steps (prefill cancels)."""
-    def steps(s: Sample) -> float:  # per request; all requests advance together
-        return s.drafts / batch if speculative else s.tokens / batch
-
-    d_steps, d_s = steps(long) - steps(short), long.seconds - short.seconds
-    d_drafts, d_acc = long.drafts - short.drafts, long.accepted - short.accepted
-    d_iter = (long.iterations - short.iterations
-              if long.iterations is not None and short.iterations is not None else 0)
-    ms = 1e3 * d_s / d_steps if d_steps > 0 else float("nan")
-    tok = 1 + d_acc / d_drafts if speculative and d_drafts > 0 else 1.0
-    return {"steps": d_steps, "ms_per_step": ms, "tokens_per_step": tok,
-            "ms_per_token": ms / tok,
-            "ms_per_iteration": 1e3 * d_s / d_iter if d_iter > 0 else float("nan"),
-            # The long call's own mean per step (its prefill included): a sound pair's
-            # estimate stays near it, so one far below says the short call carried a
-            # one-time cost (see measure_batch).
-            "long_mean_ms": 1e3 * long.seconds / steps(long) if steps(long) > 0
-            else float("nan")}
-
-
-SUSPECT_FRACTION = 0.5  # an estimate under this share of the long call's mean is suspect
-
-
-def suspect_pairs(estimates: list[dict]) -> str | None:
-    """A note naming the pairs whose estimate is under SUSPECT_FRACTION of their long
-    call's mean step time (or not a number), else None."""
-    bad = [i for i, e in enumerate(estimates)
-           if not e["ms_per_step"] >= SUSPECT_FRACTION * e["long_mean_ms"]]
-    if not bad:
-        return None
-    worst = min(bad, key=lambda i: estimates[i]["ms_per_step"]
-                if not math.isnan(estimates[i]["ms_per_step"]) else -math.inf)
-    e = estimates[worst]
-    return (f"suspect: {len(bad)} of {len(estimates)} pairs estimate under "
-            f"{SUSPECT_FRACTION:.0%} of the long call's mean step "
-            f"({e['ms_per_step']:.3f} vs {e['long_mean_ms']:.3f} ms)")
-
-
 def measure_batch(run_call: Callable[[list[dict], int], Sample], run: EngineRun, batch: int,
                   args: argparse.Namespace) -> dict:
     prompts = make_prompts(batch, args.prompt_len)
@@ -512,7 +439,7 @@ def run_engine(run: EngineRun, target: Path, drafter: Path, args: argparse.Names
             record["rows"].append(row)
     finally:
         shutdown_engine(llm)
-        del llm
+        llm = None  # the closure's cell too: the engine can be collected
         gc.collect()
     record["total_s"] = time.perf_counter() - start
     return record
@@ -553,171 +480,6 @@ def run_tree_ops(args: argparse.Namespace) -> list[dict]:
                 print(rows[-1]["traceback"], flush=True)
             ops_bench.torch.cuda.empty_cache()
     return rows
-
-
-def engine_ops_ms(row: dict) -> float | None:
-    """The tree ops as the engine runs them on CUDA: the build replays a CUDA graph
-    (vllm_ddtree/tree_graph.py), the walk and the compaction launch eagerly."""
-    parts = [row.get(k) for k in ("build_graph_ms", "walk_eager_ms", "compact_eager_ms")]
-    return None if any(p is None for p in parts) else sum(parts)
-
-
-def add_shares(ops_rows: list[dict], records: list[dict]) -> None:
-    """Tree-ops time as a percentage of the DDTree step measured in vLLM: all in one
-    graph, all eager, and as the engine runs them."""
-    steps = {(r["budget"], row["batch"]): row["ms_per_step"] for r in records
-             if r["method"] == "ddtree" for row in r["rows"] if "ms_per_step" in row}
-    for row in ops_rows:
-        step = steps.get((row["budget"], row["batch"]))
-        row["ddtree_step_ms"] = step
-        row["ops_engine_ms"] = engine_ops_ms(row)
-        for mode in ("graph", "eager", "engine"):
-            ops = row.get(f"ops_{mode}_ms")
-            ok = step is not None and ops is not None and not math.isnan(step) and step > 0
-            row[f"share_{mode}_pct"] = 100 * ops / step if ok else None
-
-
-# ------------------------------------------------------------------------- output
-
-
-def add_ratios(records: list[dict]) -> None:
-    """Each row's step time over the plain and the chain step, same runner and batch."""
-    ref = {(r["runner"], r["method"], row["batch"]): row["ms_per_step"] for r in records
-           for row in r["rows"] if "ms_per_step" in row}
-    for r in records:
-        for row in r["rows"]:
-            for base in ("plain", "chain"):
-                other = ref.get((r["runner"], base, row["batch"]))
-                mine = row.get("ms_per_step")
-                row[f"x_{base}"] = mine / other if mine and other else None
-
-
-def fmt(value: Any, spec: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec)
-
-
-def step_table(records: list[dict]) -> str:
-    lines = ["| runner | method | budget | batch | ms/step | tokens/step | ms/token "
-             "| x plain step | x chain step | note |", "|" + "---|" * 10]
-    for r in records:
-        head = f"| {r['runner']} | {r['method']} | {r['budget'] or '-'} "
-        if r["error"]:
-            lines.append(head + "| - " * 6 + f"| {short_error(r['error'])} |")
-        for row in r["rows"]:
-            lines.append(head + f"| {row['batch']} | {fmt(row.get('ms_per_step'), '.3f')} "
-                         f"| {fmt(row.get('tokens_per_step'), '.2f')} "
-                         f"| {fmt(row.get('ms_per_token'), '.3f')} "
-                         f"| {fmt(row.get('x_plain'), '.2f')} | {fmt(row.get('x_chain'), '.2f')} "
-                         f"| {short_error(row.get('error')) or row.get('suspect', '')} |")
-    return "\n".join(lines)
-
-
-def share_table(ops_rows: list[dict]) -> str:
-    lines = ["| batch | budget | DDTree ms/step | ops ms (as run) | share "
-             "| ops ms (graph) | share | ops ms (eager) "
-             "| share | build | walk | compact (graph ms) | note |", "|" + "---|" * 13]
-    for row in ops_rows:
-        g, e = row.get("share_graph_pct"), row.get("share_eager_pct")
-        r = row.get("share_engine_pct")
-        lines.append(
-            f"| {row['batch']} | {row['budget']} | {fmt(row.get('ddtree_step_ms'), '.3f')} "
-            f"| {fmt(row.get('ops_engine_ms'), '.3f')} | {fmt(r, '.1f')}{' %' if r else ''} "
-            f"| {fmt(row.get('ops_graph_ms'), '.3f')} | {fmt(g, '.1f')}{' %' if g else ''} "
-            f"| {fmt(row.get('ops_eager_ms'), '.3f')} | {fmt(e, '.1f')}{' %' if e else ''} "
-            f"| {fmt(row.get('build_graph_ms'), '.3f')} | {fmt(row.get('walk_graph_ms'), '.3f')} "
-            f"| {fmt(row.get('compact_graph_ms'), '.3f')} | {short_error(row.get('error'))} |")
-    return "\n".join(lines)
-
-
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def short_error(error: str | None) -> str:
-    return "" if not error else error.splitlines()[0][:80].replace("|", "/")
-
-
-def gpu_query(fields: str) -> str | None:
-    command = ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"]
-    try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=20,
-                             check=True).stdout.strip()
-        return out.splitlines()[0] if out else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def plugin_digest(package: Path) -> str:
-    """sha256 (16 hex digits) over the package's Python sources, by relative path."""
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
-
-
-def environment(dry_run: bool) -> dict[str, Any]:
-    from importlib import metadata
-
-    env: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "gpu": gpu_query("name,driver_version"),
-        "dry_run": dry_run,
-    }
-    for key, dist in (("torch", "torch"), ("vllm", "vllm"), ("vllm_ddtree", "vllm-ddtree"),
-                      ("triton", "triton")):
-        try:
-            env[key] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            env[key] = None
-    if "vllm" in sys.modules:  # the module that actually ran, whatever pip metadata says
-        env["vllm"] = sys.modules["vllm"].__version__
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        env["torch_cuda"] = torch.version.cuda
-        if env["gpu"] is None and torch.cuda.is_initialized():
-            env["gpu"] = torch.cuda.get_device_name()
-    try:
-        env["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        env["git"] = None
-    # The plugin the engines import (the first on the path), by content: a copy of the
-    # working tree may carry a stale .git (the lent GPU's did), so "git" alone can
-    # name the wrong code. Compare with plugin_digest() of a checkout.
-    spec = importlib.util.find_spec("vllm_ddtree")
-    env["plugin_digest"] = (plugin_digest(Path(spec.origin).parent)
-                            if spec is not None and spec.origin else None)
-    env["env"] = {k: v for k, v in os.environ.items()
-                  if k.startswith(("VLLM_USE_FLASHINFER", "VLLM_ATTENTION", "CUDA_VISIBLE"))}
-    return env
-
-
-def save(path: Path, args: argparse.Namespace, records: list[dict], ops_rows: list[dict],
-         env: dict[str, Any]) -> None:
-    """Rewritten after every engine, so a run cut short keeps what it measured."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    path.write_text(json.dumps(no_nan({
-        "environment": env, "arguments": arguments,
-        "note": "ms per decode step = (long - short wall time) / (long - short steps); "
-                "dummy weights, so acceptance is near zero and these are step costs",
-        "runs": records, "tree_ops": ops_rows,
-        "table_markdown": step_table(records), "share_markdown": share_table(ops_rows),
-    }), indent=1, default=str) + "\n")
-
-
-def no_nan(value: Any) -> Any:
-    """NaN (no steps, no histogram) as null, so the file is strict JSON."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: no_nan(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [no_nan(v) for v in value]
-    return value
 
 
 # -------------------------------------------------------------------------- dry run

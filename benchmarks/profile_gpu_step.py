@@ -38,6 +38,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 import bench_gpu_step as step_bench
+from gpu_step_timing import read_counters
 
 DEFAULT_OUT = BENCH_DIR / "results" / "gpu_profile.json"
 
@@ -162,14 +163,14 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             detokenize=False)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: shapes, prefix cache
-    before = step_bench.read_counters(llm)
+    before = read_counters(llm)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    after = step_bench.read_counters(llm)
+    after = read_counters(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     # Without any profiler: the step's own wall time, and then the Python functions
     # with the most host time under cProfile (what the torch profiler counts as a

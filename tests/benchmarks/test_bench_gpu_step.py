@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_gpu_step as bench
+import gpu_step_report as report
 
 
 def sample(tokens: int, seconds: float) -> bench.Sample:
@@ -50,7 +51,7 @@ def test_a_one_time_cost_in_the_short_call_is_flagged():
     row = measure([(sample(16, 0.5095), sample(48, 0.5145))])
     assert row["ms_per_step"] < 1.0
     assert row["suspect"].startswith("suspect: 1 of 1 pairs")
-    assert "suspect" in bench.step_table([{"runner": "v1", "method": "ddtree", "budget": 16,
+    assert "suspect" in report.step_table([{"runner": "v1", "method": "ddtree", "budget": 16,
                                            "error": None, "rows": [row]}])
 
 
@@ -62,10 +63,10 @@ def test_plugin_share_as_the_engine_runs_it():
             "walk_graph_ms": 0.02, "compact_graph_ms": 0.02}]
     records = [{"runner": "v1", "method": "ddtree", "budget": 16,
                 "rows": [{"batch": 1, "ms_per_step": 10.0}]}]
-    bench.add_shares(ops, records)
+    report.add_shares(ops, records)
     assert abs(ops[0]["ops_engine_ms"] - 0.45) < 1e-9
     assert abs(ops[0]["share_engine_pct"] - 4.5) < 1e-9
-    assert "| 0.450 | 4.5 % |" in bench.share_table(ops)
+    assert "| 0.450 | 4.5 % |" in report.share_table(ops)
 
 
 def test_plugin_digest_names_the_code_not_the_checkout(tmp_path):
@@ -77,14 +78,14 @@ def test_plugin_digest_names_the_code_not_the_checkout(tmp_path):
         target = copy / path.relative_to(repo_pkg)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(path.read_bytes())
-    assert bench.plugin_digest(copy) == bench.plugin_digest(repo_pkg)
+    assert report.plugin_digest(copy) == report.plugin_digest(repo_pkg)
     (copy / "ops" / "tree.py").write_text((copy / "ops" / "tree.py").read_text() + "\n# edited\n")
-    assert bench.plugin_digest(copy) != bench.plugin_digest(repo_pkg)
+    assert report.plugin_digest(copy) != report.plugin_digest(repo_pkg)
     (copy / "ops" / "tree.py").write_bytes((repo_pkg / "ops" / "tree.py").read_bytes())
     (copy / "ops" / "tree.py").rename(copy / "ops" / "tree_moved.py")
-    assert bench.plugin_digest(copy) != bench.plugin_digest(repo_pkg)
-    env = bench.environment(dry_run=True)
-    assert env["plugin_digest"] == bench.plugin_digest(repo_pkg)
+    assert report.plugin_digest(copy) != report.plugin_digest(repo_pkg)
+    env = report.environment(dry_run=True)
+    assert env["plugin_digest"] == report.plugin_digest(repo_pkg)
 
 
 def test_ddtree_runs_on_each_runner_asked_for():
