@@ -1,4 +1,4 @@
-"""Fast checks of the tiny checkpoints in ``vllm_ddtree/tiny_models.py`` (no vLLM)."""
+"""Fast checks of the tiny checkpoints in ``vllm_ddtree/checkpoints/tiny.py`` (no vLLM)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vllm_ddtree.checkpoints import mla
 from vllm_ddtree.checkpoints import tiny as tm
 
 
@@ -166,3 +167,84 @@ def test_native_dflash_matches_greedy_and_accepts(
     drafted = metrics["vllm:spec_decode_num_draft_tokens"]
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
     assert drafted > 0 and accepted / drafted > 0.5, (accepted, drafted)
+
+
+def test_deepseek_v3_target_loads_in_transformers_and_is_varied(tmp_path: Path) -> None:
+    """Every tensor has DeepSeek-V3's checkpoint name and shape (transformers loads
+    it with nothing missing or left over), and greedy output is varied."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = mla.make_deepseek_v3_target(tmp_path / "dsv3")
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    text = model.config
+    assert (text.kv_lora_rank, text.qk_rope_head_dim, text.qk_nope_head_dim) == (512, 64, 128)
+    assert text.rope_parameters["rope_type"] == "yarn" and text.rope_parameters["factor"] == 4.0
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("Now is better than never.", return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert len(set(out[0, ids.shape[1] :].tolist())) >= 8
+
+
+def test_deepseek_v3_moe_layout(tmp_path: Path) -> None:
+    path = mla.make_deepseek_v3_target(tmp_path / "dsv3", num_hidden_layers=3, n_routed_experts=4)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert (cfg["topk_method"], cfg["scoring_func"], cfg["first_k_dense_replace"]) == (
+        "noaux_tc", "sigmoid", 1)
+    assert cfg["rope_scaling"]["type"] == "yarn"
+    w = load_file(str(path / "model.safetensors"))
+    assert "model.layers.0.mlp.gate_proj.weight" in w  # the first layer is dense
+    assert "model.layers.0.mlp.gate.weight" not in w
+    for i in (1, 2):  # the others are MoE: 4 routed experts, a shared one, a biased gate
+        p = f"model.layers.{i}.mlp."
+        assert w[p + "gate.weight"].shape == (4, 128)
+        assert w[p + "gate.e_score_correction_bias"].shape == (4,)
+        assert {f"{p}experts.{e}.down_proj.weight" for e in range(4)} <= set(w)
+        assert p + "shared_experts.up_proj.weight" in w
+    # The latent cache row is kv_lora_rank + rope = 576 wide.
+    assert w["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (576, 128)
+    assert w["model.layers.0.self_attn.kv_b_proj.weight"].shape == (4 * (128 + 128), 512)
+
+
+def test_kimi_k25_target_is_deepseek_v3_text_under_language_model(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    kimi = mla.make_kimi_k25_target(tmp_path / "kimi")
+    cfg = json.loads((kimi / "config.json").read_text())
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert cfg["model_type"] == "kimi_k25" and cfg["text_config"]["model_type"] == "kimi_k2"
+    text = cfg["text_config"]
+    assert (text["n_group"], text["topk_group"], text["rope_scaling"]["factor"]) == (1, 1, 64.0)
+    assert "media_proc_cfg" in json.loads((kimi / "preprocessor_config.json").read_text())
+    parsed = AutoConfig.from_pretrained(kimi)  # transformers' Kimi_K25Config
+    assert parsed.text_config.num_hidden_layers == text["num_hidden_layers"]
+    # The same text model as a DeepSeek-V3 of that config, tensor for tensor.
+    same = {k: v for k, v in text.items() if k in mla.TINY_DEEPSEEK_V3}
+    dsv3 = mla.make_deepseek_v3_target(tmp_path / "dsv3", **same)
+    w_kimi = load_file(str(kimi / "model.safetensors"))
+    w_dsv3 = load_file(str(dsv3 / "model.safetensors"))
+    assert set(w_kimi) == {"language_model." + k for k in w_dsv3}
+    assert all(torch.equal(w_kimi["language_model." + k], v) for k, v in w_dsv3.items())
+
+
+def test_drafter_for_a_kimi_target(tmp_path: Path) -> None:
+    """A multimodal target's drafter follows its text config; an MLA target has no
+    Qwen3 attention shape, so the drafter takes its own."""
+    kimi = mla.make_kimi_k25_target(tmp_path / "kimi")
+    yarn = mla.KIMI_K2_TEXT["rope_scaling"]
+    drafter = tm.make_dflash_drafter(tmp_path / "d", kimi, block_size=8, num_heads=4,
+                                     num_kv_heads=2, head_dim=32, mask_token_id=1000,
+                                     rope_scaling=yarn)
+    cfg = json.loads((drafter / "config.json").read_text())
+    assert cfg["hidden_size"] == 128 and cfg["num_target_layers"] == 4
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (4, 2, 32)
+    assert cfg["rope_scaling"] == yarn and cfg["rope_theta"] == 50000.0
+    assert cfg["dflash_config"] == {"mask_token_id": 1000, "target_layer_ids": [1, 2]}
+    w = load_file(str(drafter / "model.safetensors"))
+    assert w["fc.weight"].shape == (128, 2 * 128)
+    assert w["layers.0.self_attn.k_proj.weight"].shape == (64, 128)
+    # weights=False: the config alone (for full-size shapes checked at config level).
+    bare = tm.make_dflash_drafter(tmp_path / "bare", kimi, weights=False, num_heads=4)
+    assert (bare / "config.json").exists() and not list(bare.glob("*.safetensors"))

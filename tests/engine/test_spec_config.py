@@ -8,6 +8,7 @@ here, at start-up, with a message that says what is wrong and what is allowed.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.e2e_utils import keep_async_scheduling
@@ -401,3 +403,132 @@ def test_mrope_targets_are_refused_while_the_engine_is_configured():
     with pytest.raises(NotImplementedError, match="M-RoPE"):
         patches._configure_engine(SimpleNamespace(async_scheduling=None), {},
                                   SimpleNamespace(uses_mrope=True), SimpleNamespace())
+
+
+# --- Kimi K2.5/K2.6 shapes: config.json files only (no weights, no engine)
+
+# In the shape of z-lab's public Kimi K2.5/K2.6 DFlash drafters: six Qwen3 layers at
+# the target's width, 8 KV heads of 128, block size 8, Kimi's vocabulary and mask id,
+# six target layers, YaRN x64 as Kimi's own.
+KIMI_LAYER_IDS = [1, 12, 24, 35, 47, 58]
+KIMI_DRAFTER = {"block_size": 8, "num_layers": 6, "target_layer_ids": KIMI_LAYER_IDS,
+                "num_heads": 64, "num_kv_heads": 8, "head_dim": 128,
+                "intermediate_size": 18432, "mask_token_id": 163838, "weights": False}
+
+
+@pytest.fixture(scope="module")
+def kimi_target(tmp_path_factory) -> Path:
+    """``KimiK25ForConditionalGeneration`` with Kimi K2.6's text config, no weights."""
+    from vllm_ddtree.checkpoints import mla
+
+    return mla.make_kimi_k25_target(tmp_path_factory.mktemp("kimi") / "kimi-k2.6",
+                                   weights=False, **mla.KIMI_K2_TEXT)
+
+
+@pytest.fixture(scope="module")
+def kimi_drafter(kimi_target: Path) -> Path:
+    from vllm_ddtree.checkpoints import mla
+    from vllm_ddtree.checkpoints import tiny as tm
+
+    return tm.make_dflash_drafter(kimi_target.parent / "kimi-k2.6-dflash", kimi_target,
+                                  rope_scaling=mla.KIMI_K2_TEXT["rope_scaling"],
+                                  **KIMI_DRAFTER)
+
+
+def kimi_config(target: Path, spec: dict[str, Any]):
+    """The engine config of a Kimi target, text only; its 163840-token tokenizer is
+    not loaded (nothing here tokenizes)."""
+    return engine_config(target, spec, skip_tokenizer_init=True, language_model_only=True)
+
+
+def kimi_drafter_variant(drafter: Path, tmp_path: Path, edit: Callable[[dict], Any]) -> Path:
+    path = tmp_path / "kimi-variant-dflash"
+    shutil.copytree(drafter, path)
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_kimi_shaped_drafter_is_accepted(kimi_target, kimi_drafter):
+    cfg = kimi_config(kimi_target, ddtree(kimi_drafter, ddtree_budget=16, ddtree_topk_cap=4))
+    assert cfg.model_config.architectures == ["KimiK25ForConditionalGeneration"]
+    text = cfg.model_config.hf_text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.kv_lora_rank) == (7168, 61, 512)
+    spec = cfg.speculative_config
+    assert type(spec).__name__ == "DDTreeSpeculativeConfig"
+    assert spec.ddtree.block_size == 8 and spec.ddtree.max_depth == 7
+    assert spec.ddtree.verify_width == 17 and spec.num_speculative_tokens == 16
+    assert spec.ddtree.vocab_size == 163840
+    draft = spec.draft_model_config.hf_config
+    assert draft.dflash_config["target_layer_ids"] == KIMI_LAYER_IDS
+    assert (draft.num_hidden_layers, draft.num_key_value_heads, draft.head_dim) == (6, 8, 128)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: c.update(hidden_size=4096),
+     r"drafter hidden_size=4096 does not match the target's hidden_size=7168"),
+    (lambda c: c.update(vocab_size=129280),  # DeepSeek-V3's vocabulary
+     r"drafter vocab_size=129280 does not match the target's vocab_size=163840"),
+    (lambda c: c["dflash_config"].update(mask_token_id=163840),
+     (r"mask_token_id=163840 is not a token id of the target vocabulary "
+      r"\(allowed: 0\.\.163839\)")),
+    (lambda c: c["dflash_config"].update(target_layer_ids=[1, 12, 24, 35, 47, 61]),
+     (r"target_layer_ids=\[1, 12, 24, 35, 47, 61\] is invalid for a target with 61 "
+      r"layers \(allowed: a non-empty list of ids in 0\.\.60\)")),
+], ids=["hidden", "vocab", "mask_id", "layer_ids"])
+def test_kimi_shaped_drafter_mismatch(kimi_target, kimi_drafter, tmp_path, edit, match):
+    path = kimi_drafter_variant(kimi_drafter, tmp_path, edit)
+    with pytest.raises(ValueError, match=match):
+        kimi_config(kimi_target, ddtree(path))
+
+
+def _yarn_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, factor: float,
+                  original: int, beta_fast: float, beta_slow: float, attention: float
+                  ) -> torch.Tensor:  # [len(positions), head_dim]: cos | sin
+    """YaRN (Peng et al.) from its definition: frequencies whose wavelength fits
+    ``beta_fast`` times in the original context keep their value, those fitting fewer
+    than ``beta_slow`` times are divided by ``factor``, a linear ramp in between;
+    cos and sin are scaled by the attention factor."""
+    half = head_dim // 2
+    freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)
+
+    def dim_of(turns: float) -> float:  # the dim whose frequency turns ``turns`` times
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)),
+                                                            head_dim - 1)
+    ramp = ((torch.arange(half, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    freq = freq / factor * ramp + freq * (1 - ramp)
+    angles = positions.double()[:, None] * freq
+    return torch.cat([angles.cos(), angles.sin()], dim=-1) * attention
+
+
+@pytest.mark.parametrize("mscale_keys", [True, False], ids=["mscale_all_dim", "plain"])
+def test_kimi_drafter_yarn_reaches_its_rotary_embedding(kimi_target, kimi_drafter, tmp_path,
+                                                        mscale_keys):
+    """The drafter's rope_scaling (YaRN x64 over 4096 positions) is what vLLM's DFlash
+    drafter rotates with: the rotary embedding built the way qwen3_dflash.py builds it
+    (set_default_rope_theta, then get_rope with the config's rope_parameters) equals
+    YaRN computed here from its definition. With mscale = mscale_all_dim the attention
+    factor is 1 (DeepSeek's and Kimi's convention), without them 0.1 ln 64 + 1."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.transformers_utils.config import set_default_rope_theta
+
+    drafter = kimi_drafter
+    if not mscale_keys:
+        drafter = kimi_drafter_variant(kimi_drafter, tmp_path, lambda c: [
+            c["rope_scaling"].pop(k) for k in ("mscale", "mscale_all_dim")])
+    cfg = kimi_config(kimi_target, ddtree(drafter))
+    draft = cfg.speculative_config.draft_model_config.hf_config
+    set_default_rope_theta(draft, default_theta=1000000)
+    with set_current_vllm_config(cfg):
+        rope = get_rope(draft.head_dim, max_position=draft.max_position_embeddings,
+                        is_neox_style=True, rope_parameters=draft.rope_parameters)
+    attention = 1.0 if mscale_keys else 0.1 * math.log(64) + 1
+    positions = torch.tensor([0, 1, 7, 100, 4095, 4096, 30000, 262143])
+    expected = _yarn_cos_sin(positions, 128, 50000.0, 64.0, 4096, 32.0, 1.0, attention)
+    # vLLM builds the table in float32: an angle p * f is off by up to ~p * 2^-23.
+    error = (rope.cos_sin_cache[positions].double() - expected).abs()
+    assert (error <= 1e-6 + 3e-7 * positions[:, None]).all(), error.max(dim=-1)

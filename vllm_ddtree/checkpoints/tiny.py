@@ -2,6 +2,9 @@
 
 - ``make_tokenizer``: a byte-level BPE tokenizer trained on generated text.
 - ``make_target``: a random Llama or Qwen3 causal LM, float32, tokenizer alongside.
+- ``make_deepseek_v3_target`` / ``make_kimi_k25_target``: random MLA + MoE targets
+  (sigmoid + noaux_tc routing, first_k_dense, YaRN): a ``DeepseekV3ForCausalLM``, and a
+  ``KimiK25ForConditionalGeneration`` whose text model (``kimi_k2``) is the same.
 - ``make_dflash_drafter``: a z-lab-format DFlash drafter that vLLM's native
   ``"method": "dflash"`` loads; it takes ``num_speculative_tokens = block_size - 1``.
 
@@ -172,6 +175,11 @@ def make_target(
     return path
 
 
+def _text_config(config: dict) -> dict:
+    """A checkpoint's text-model config: its ``text_config`` if it has one."""
+    return config.get("text_config", config)
+
+
 def make_dflash_drafter(
     path: str | Path,
     target_path: str | Path,
@@ -180,6 +188,14 @@ def make_dflash_drafter(
     target_layer_ids: list[int] | None = None,
     mode: Literal["random", "repeat"] = "random",
     seed: int = 0,
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    mask_token_id: int = MASK_TOKEN_ID,
+    rope_scaling: dict | None = None,
+    weights: bool = True,
 ) -> Path:
     """Save a z-lab-format DFlash drafter for the target at ``target_path``.
 
@@ -188,9 +204,14 @@ def make_dflash_drafter(
     drafts are accepted while the target repeats itself. It needs a target with
     tied embeddings: the drafter's output must land on the bonus token's row of
     the shared lm_head, and with tied weights that row is the bonus embedding.
+
+    The attention and MLP shape default to the target's (its text config for a
+    multimodal target); an MLA target has no such shape, so pass the drafter's own.
+    ``rope_scaling`` goes into the config as given (z-lab's Kimi drafters: YaRN).
+    ``weights=False`` writes config.json alone (config-level tests of full-size shapes).
     """
     target_path, path = Path(target_path), Path(path)
-    tcfg = json.loads((target_path / "config.json").read_text())
+    tcfg = _text_config(json.loads((target_path / "config.json").read_text()))
     n_target = tcfg["num_hidden_layers"]
     if target_layer_ids is None:  # spread over the target, like z-lab's checkpoints
         target_layer_ids = sorted({1, n_target // 2, n_target - 2} & set(range(n_target)))
@@ -200,10 +221,13 @@ def make_dflash_drafter(
         raise ValueError(f"block_size={block_size}: need >= 2 (bonus slot + masks)")
     if mode not in ("random", "repeat"):
         raise ValueError(f"mode={mode!r}: expected 'random' or 'repeat'")
+    if mode == "repeat" and not tcfg.get("tie_word_embeddings", False):
+        raise ValueError("mode='repeat' needs a target with tie_word_embeddings=True")
     hidden = tcfg["hidden_size"]
-    heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
-    head_dim = tcfg.get("head_dim") or hidden // heads
-    inter = tcfg["intermediate_size"]
+    heads = num_heads or tcfg["num_attention_heads"]
+    kv_heads = num_kv_heads or tcfg["num_key_value_heads"]
+    head_dim = head_dim or tcfg.get("head_dim") or hidden // heads
+    inter = intermediate_size or tcfg["intermediate_size"]
     rope_theta = tcfg.get("rope_theta") or tcfg.get("rope_parameters", {}).get(
         "rope_theta", 10000.0
     )
@@ -226,15 +250,35 @@ def make_dflash_drafter(
         "torch_dtype": "float32",
         "block_size": block_size,
         "num_target_layers": n_target,
-        "dflash_config": {"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": target_layer_ids},
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": target_layer_ids},
     }
+    if rope_scaling is not None:
+        config["rope_scaling"] = dict(rope_scaling)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if not weights:
+        return path
+    w = _random_drafter_weights(seed, hidden, heads, kv_heads, head_dim, inter, num_layers,
+                                len(target_layer_ids))
+    if mode == "repeat":
+        embed = _load_target_embedding(target_path)
+        _make_repeat_layer(w, embed[mask_token_id], heads, kv_heads, head_dim, num_layers)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def _random_drafter_weights(
+    seed: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+    num_layers: int, num_target_ids: int,
+) -> dict[str, torch.Tensor]:
+    """A DFlash drafter's tensors in z-lab's names: random projections, unit norms."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen) * 0.05
 
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-    w = {"fc.weight": rand(hidden, len(target_layer_ids) * hidden)}
+    w = {"fc.weight": rand(hidden, num_target_ids * hidden)}
     w["hidden_norm.weight"] = torch.ones(hidden)
     w["norm.weight"] = torch.ones(hidden)
     for i in range(num_layers):
@@ -250,15 +294,7 @@ def make_dflash_drafter(
         w[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
         w[p + "mlp.up_proj.weight"] = rand(inter, hidden)
         w[p + "mlp.down_proj.weight"] = rand(hidden, inter)
-    if mode == "repeat":
-        if not tcfg.get("tie_word_embeddings", False):
-            raise ValueError("mode='repeat' needs a target with tie_word_embeddings=True")
-        embed = _load_target_embedding(target_path)
-        _make_repeat_layer(w, embed[MASK_TOKEN_ID], heads, kv_heads, head_dim, num_layers)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
-    return path
+    return w
 
 
 def _load_target_embedding(target_path: Path) -> torch.Tensor:
