@@ -54,7 +54,9 @@ def block(kind: str) -> str:
 def user_env(**extra: str) -> dict[str, str]:
     """This environment as a user's shell would have it: `python` is the interpreter
     running the tests (the venv with vLLM), and nothing of pytest's path leaks in."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # The checks read vLLM's INFO lines: a level left by another test must not hide them.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VLLM_LOGGING_LEVEL")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     env.update(extra)

@@ -212,6 +212,12 @@ def _select_model_runner(model_config, parallel_config) -> str:
     return runner
 
 
+def _runs_on_v2() -> bool:
+    """Whether this process's DDTree engine runs on the V2 runner (_select_model_runner
+    wrote the choice when the engine was configured)."""
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true")
+
+
 def _v2_runner_supported() -> bool:
     import vllm
     from vllm.platforms import current_platform
@@ -244,9 +250,20 @@ def _patch_sampling_params_validation() -> None:
     orig = _orig["SamplingParams._validate_spec_decode"] = SamplingParams._validate_spec_decode
 
     def _validate_spec_decode(self, speculative_config) -> None:
-        if getattr(speculative_config, "ddtree", None) is not None:
-            return  # the tree sampler applies every logits processor at every node
-        orig(self, speculative_config)
+        if getattr(speculative_config, "ddtree", None) is None:
+            orig(self, speculative_config)
+        elif self.thinking_token_budget is not None and not _runs_on_v2():
+            # The V1 tree sampler counts no thinking tokens along a node's ancestors (the
+            # V2 runner verifies such requests as chains): refuse rather than ignore.
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(
+                "thinking_token_budget is not supported with DDTree on vLLM's V1 model "
+                "runner; leave it out, or run on the V2 runner (vLLM 0.33 with CUDA).",
+                parameter="thinking_token_budget",
+            )
+        # Otherwise allowed: the tree sampler applies every logits processor (min-p and
+        # logit bias too) at every node.
 
     SamplingParams._validate_spec_decode = _validate_spec_decode
 

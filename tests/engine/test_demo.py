@@ -81,7 +81,8 @@ class _FakeLLM:
 
 def test_demo_exits_non_zero_when_ddtree_differs(monkeypatch, capsys, tmp_path) -> None:
     """The exit status is the demo's verdict: any answer unlike plain decoding fails it."""
-    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)  # main() sets a default
+    # main() sets a default in os.environ; a value of the test's own is restored after it.
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=_FakeLLM))
     pair = demo.Pair(tmp_path, tmp_path, ["q1", "q2"], chat=False)
     runs = iter([demo.Run(["a", "b"], ["stop", "stop"], [1, 1], 0.1),   # plain

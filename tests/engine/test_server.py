@@ -86,7 +86,8 @@ def server_process(tiny_llama, make_drafter, tmp_path_factory):
         "--port", str(port),
         "--speculative-config", json.dumps(spec),
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1"}
+    # The checks read vLLM's INFO lines: a level left by another test must not hide them.
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOGGING_LEVEL": "INFO"}
     with open(log_file, "wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -1,6 +1,6 @@
 """Compaction's row moves and position fix, and the verify step's tree positions
 (vllm_ddtree/ops/compaction.py): the torch paths against a plain Python oracle, and the Triton kernels of
-vllm_ddtree/compact_rows_triton.py against those torch twins, bit for bit.
+vllm_ddtree/kernels/compact_rows.py against those torch twins, bit for bit.
 
 Paths come as DDTree's trees give them (increasing nodes: parents first), with a
 request whose rows end the batch, one that accepts nothing, and rows past every

@@ -1,4 +1,4 @@
-"""vllm_ddtree/compact_step_triton.py (the whole compaction in one launch) against its
+"""vllm_ddtree/kernels/compact_step.py (the whole compaction in one launch) against its
 torch twins: cuda.move_kv_slots layer by layer after the compaction plan, compact_rows
 and restore_chain_positions on their torch paths, bit for bit, untouched memory
 included.

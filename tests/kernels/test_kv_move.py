@@ -1,4 +1,4 @@
-"""vllm_ddtree/attention/kv_move_triton.py against its torch twin: the compaction plan
+"""vllm_ddtree/kernels/kv_move.py against its torch twin: the compaction plan
 (plan_rows, plan_slots) and cuda.move_kv_slots layer by layer.
 
 Moves come from accepted paths as DDTree's trees give them (increasing

@@ -1,4 +1,4 @@
-"""vllm_ddtree/step_tree_triton.py against its torch twin, sampler.step_trees on torch.
+"""vllm_ddtree/kernels/step_trees.py against its torch twin, ops.step_trees.step_trees.
 
 Each case draws drafted trees (random drafters, top-k caps, padding nodes) and sends
 each request one of: its whole tree, a prefix of it, drafts that differ from it, no

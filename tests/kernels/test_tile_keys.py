@@ -1,4 +1,4 @@
-"""Each query tile's visible tree keys (vllm_ddtree/attention/tile_keys_triton.py):
+"""Each query tile's visible tree keys (vllm_ddtree/kernels/tile_keys.py):
 the torch twin against sets of ancestors in plain Python, and the Triton kernel
 against the twin, exactly. Masks are random trees padded with garbage (bits past a
 request's verify tokens must not be listed), over mixed query lengths, a request

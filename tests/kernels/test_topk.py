@@ -1,4 +1,4 @@
-"""vllm_ddtree/topk_triton.py against its torch twin, tree.topk_per_depth on torch:
+"""vllm_ddtree/kernels/topk.py against its torch twin, tree.topk_per_depth on torch:
 the fused top-k (k <= FUSED_TOPK_MAX_K) and torch.topk + the Triton tie repair.
 
 Inputs are built to tie: values drawn from a handful of levels (so runs of equal

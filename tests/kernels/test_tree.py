@@ -1,4 +1,4 @@
-"""vllm_ddtree/tree_triton.py against its torch twin, tree.select_tree.
+"""vllm_ddtree/kernels/tree.py against its torch twin, tree.select_tree.
 
 Every case draws fresh inputs (a fixed seed per case) from the drafters of tests/ops/test_tree.py
 (random, heavy ties, -inf, one-hot, uniform, and values on both sides of the clamp), over

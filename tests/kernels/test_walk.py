@@ -1,4 +1,4 @@
-"""vllm_ddtree/verify_triton.py against its torch twin, verify.walk_tree.
+"""vllm_ddtree/kernels/walk.py against its torch twin, ops.walk.walk_tree.
 
 Every case builds fresh random trees (a fixed seed per case) with the drafters of
 tests/ops/test_tree.py, over odd budgets, depths and batch sizes, some with padding nodes, and draws

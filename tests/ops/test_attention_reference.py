@@ -1,4 +1,4 @@
-"""Tests for vllm_ddtree/attention/reference.py.
+"""Tests for vllm_ddtree/ops/attention_reference.py.
 
 The oracle is independent of the code under test: for every tree node it runs plain
 attention (``F.scaled_dot_product_attention``) over the request's contiguous prefix plus

@@ -1,4 +1,4 @@
-"""vllm_ddtree/step_graphs.py: a step's launches as CUDA graph replays.
+"""vllm_ddtree/runner/step_graphs.py: a step's launches as CUDA graph replays.
 
 The launches here are small torch ops that write into buffers allocated beforehand,
 as the runner's are. On the CPU (and with graphs off) every call runs them; on CUDA

@@ -1,4 +1,4 @@
-"""Unit tests of the tree sampler's pieces (vllm_ddtree/sampler.py), on CPU."""
+"""Unit tests of the tree sampler's pieces (vllm_ddtree/runner/v1_sampler.py), on CPU."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ class FakeSampling:
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     generators: dict = field(default_factory=dict)
+    logitsprocs: SimpleNamespace = field(
+        default_factory=lambda: SimpleNamespace(non_argmax_invariant=[], argmax_invariant=[]))
 
 
 def _metadata(drafts: list[list[int]]) -> FakeSpecMetadata:
@@ -181,6 +183,50 @@ def test_seeded_request_draws_one_uniform_per_node_column():
     assert torch.equal(again, tokens)
 
 
+def _plain_cpu_seeds(seed: int, count: int) -> list[int]:
+    """The seeds vLLM's CPU sampler draws for a seeded request over ``count`` steps."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long).item()
+            for _ in range(count)]
+
+
+def test_node_seeds_follow_plain_decodings_steps():
+    """A node at depth d gets the seed plain decoding draws d steps from now; after a
+    walk that commits k tokens the generator stands where plain decoding leaves it
+    after k steps, whatever the tree's depth."""
+    rows = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 7, 7]])
+    depths = torch.tensor([[0, 1, 2, 1, 3], [0, 1, 2, 0, 0]])
+    plain = _plain_cpu_seeds(7, 6)
+    for committed in (1, 2, 4):
+        gen = torch.Generator().manual_seed(7)
+        seeds = sampler.NodeSeeds.draw({0: gen}, rows, depths, [5, 3], num_rows=8)
+        assert seeds.seeds[:5].tolist() == [plain[d] for d in (0, 1, 2, 1, 3)]
+        seeds.rewind({0: gen}, [committed, 3])
+        next_draw = torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long).item()
+        assert next_draw == plain[committed]
+
+
+def test_seeded_nodes_draw_as_vllms_cpu_sampler():
+    """With seeds, a node's token is vLLM's CPU draw (gumbel-max keyed by the seed)
+    from its processed, tempered, top-k-filtered logits: what plain decoding samples
+    at that position from the same logits and seed."""
+    if not hasattr(torch.ops._C, "fused_gumbel_argmax"):
+        pytest.skip("vLLM's CPU sampling kernel is not loaded")
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    rows = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    seeds = torch.tensor([11, 12, 13, 14, 15, 16])
+    sampling = FakeSampling(all_greedy=False, all_random=True,
+                            temperature=torch.tensor([0.7, 1.3]),
+                            top_k=torch.tensor([5, 50]))
+    tokens = sample_node_tokens(logits, rows, sampling, [3, 3], seeds)
+    temps = torch.tensor([0.7] * 3 + [1.3] * 3)[:, None]
+    filtered = apply_top_k_top_p(logits / temps, torch.tensor([5] * 3 + [50] * 3), None)
+    want = torch.ops._C.fused_gumbel_argmax(filtered.contiguous(), seeds)
+    assert torch.equal(tokens.flatten(), want)
+
+
 def test_inverse_cdf_sample_follows_the_distribution_and_skips_zeros():
     """Many rows of one distribution (two tokens masked to zero, one tiny): the
     frequencies match it within five standard errors, and no zero-probability token
@@ -306,6 +352,7 @@ def test_idle_builtin_processors_are_skipped_and_others_run():
     logits = torch.zeros(5, 7)
     metadata = SimpleNamespace(
         allowed_token_ids_mask=None, no_penalties=True, all_greedy=True, max_num_logprobs=None,
+        bad_words_token_ids={},
         logitsprocs=SimpleNamespace(non_argmax_invariant=[*idle, custom], argmax_invariant=[]))
     out = sampler.process_logits(logits, rows, step, metadata)
     assert custom.calls == 3  # one [num_reqs, vocab] block per column
@@ -338,6 +385,7 @@ def test_greedy_batch_with_nothing_to_apply_keeps_its_raw_logits():
     logits = (torch.randint(0, 4, (5, 9), generator=gen).float() / 4).to(torch.bfloat16)
     metadata = SimpleNamespace(
         allowed_token_ids_mask=None, no_penalties=True, all_greedy=True, max_num_logprobs=None,
+        bad_words_token_ids={},
         logitsprocs=SimpleNamespace(non_argmax_invariant=[], argmax_invariant=[]))
     out = sampler.process_logits(logits, rows, step, metadata)
     assert out is logits

@@ -6,6 +6,13 @@ processing when T > 0); the walk then follows matching children from the root.
 Each committed token is a target sample at the correct prefix, so the output
 has the target distribution at any temperature ("sample and match").
 
+A node is the next-token position of its own branch, so each node gets what vLLM's
+plain sampler would apply there: bad words and penalties read the request's output
+followed by the node's ancestors, min-tokens counts the node's depth, the steps come
+in vLLM's order, and on the CPU a node at depth d draws with the seed plain decoding
+uses d tokens ahead. Greedy and seeded requests thus give plain decoding's tokens.
+Every request goes through here, its first token too (a step without drafts).
+
 The result is in vLLM's chain format ``[num_reqs, max_spec_len + 1]``:
 accepted tokens, the bonus token, then -1, so the scheduler, detokenizer,
 stop handling and metrics need no tree knowledge.
@@ -13,6 +20,7 @@ stop handling and metrics need no tree knowledge.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +29,7 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.logits_processor import builtin as builtin_procs
 from vllm.v1.sample.ops.penalties import apply_all_penalties
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler, apply_top_k_top_p
 
 from vllm_ddtree.ops.step_trees import chain_step
 from vllm_ddtree.ops.walk import step_rows, walk_tree
@@ -36,6 +44,8 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
 PLACEHOLDER_TOKEN_ID = -1
+# vLLM's CPU draw, which NodeSeeds reproduces at every tree node.
+_PLAIN_CPU_DRAW = getattr(TopKTopPSampler, "forward_cpu", None)
 
 
 class DDTreeSampler(nn.Module):
@@ -76,17 +86,26 @@ class DDTreeSampler(nn.Module):
         # Flat logits row of node i of request r (clamped for absent nodes).
         rows = step_rows(metadata.cu_num_sampled_tokens, step.num_scheduled, width)
         processed = process_logits(logits, rows, step, sampling_metadata)
-        node_tokens = sample_node_tokens(processed, rows, sampling_metadata,
-                                         [n + 1 for n in metadata.num_draft_tokens])
+        num_nodes = [n + 1 for n in metadata.num_draft_tokens]
+        seeds = None
+        if not sampling_metadata.all_greedy and self._draws_like_plain_cpu(logits):
+            seeds = NodeSeeds.draw(sampling_metadata.generators, rows, step.tree.depths,
+                                   num_nodes, logits.shape[0])
+        node_tokens = sample_node_tokens(processed, rows, sampling_metadata, num_nodes,
+                                         None if seeds is None else seeds.seeds)
         # Nodes past a request's scheduled count are already invalid (TreeVerifyStep).
         walk = walk_tree(step.tree, node_tokens, step.max_depth)
         step.walk = walk
+        if seeds is not None:  # each seeded generator as plain decoding leaves it
+            seeds.rewind(sampling_metadata.generators, (walk.num_accepted + 1).tolist())
         output = walk.output_tokens[:, :width].to(torch.int32)
 
         logprobs_tensors = None
-        if sampling_metadata.max_num_logprobs is not None:
+        token_ids = getattr(sampling_metadata, "logprob_token_ids", None)
+        if sampling_metadata.max_num_logprobs is not None or token_ids:
             logprobs_tensors = self._logprobs(
                 sampling_metadata.max_num_logprobs,
+                token_ids,
                 logits,
                 processed,
                 rows,
@@ -96,9 +115,23 @@ class DDTreeSampler(nn.Module):
         assert output.shape == (num_reqs, width)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs_tensors)
 
+    def _draws_like_plain_cpu(self, logits: torch.Tensor) -> bool:
+        """Whether vLLM's sampler here draws as its CPU path does (a gumbel-max draw
+        keyed by one seed per step): then the tree draws so too, token for token."""
+        sampler = getattr(self.sampler, "topk_topp_sampler", None)
+        if logits.device.type != "cpu" or sampler is None or _PLAIN_CPU_DRAW is None:
+            return False
+        try:
+            torch.ops._C.fused_gumbel_argmax  # noqa: B018 (vLLM's CPU kernel is loaded)
+        except (AttributeError, RuntimeError):
+            return False
+        return (not sampler.use_fp64_gumbel
+                and getattr(sampler.forward, "__func__", None) is _PLAIN_CPU_DRAW)
+
     def _logprobs(
         self,
-        max_num_logprobs: int,
+        max_num_logprobs: int | None,
+        token_ids: dict[int, list[int]] | None,  # request -> the ids to score, if any
         logits: torch.Tensor,
         processed: torch.Tensor,
         rows: torch.Tensor,
@@ -118,6 +151,10 @@ class DDTreeSampler(nn.Module):
         if not mode.endswith("logits"):
             chosen = self.sampler.compute_logprobs(chosen)
         tokens = output.flatten().to(torch.int64).clamp(min=0)
+        if token_ids:  # as vLLM's sampler: these ids' logprobs in place of the top ones
+            by_row = {r * width + j: ids for r, ids in token_ids.items()
+                      if r < output.shape[0] for j in range(width)}
+            return self.sampler.gather_specific_token_logprobs(chosen, by_row, tokens)
         return self.sampler.gather_logprobs(chosen, max_num_logprobs, tokens)
 
 
@@ -127,21 +164,23 @@ def process_logits(
     step: TreeVerifyStep,
     sampling_metadata: SamplingMetadata,
 ) -> torch.Tensor:
-    """vLLM's logits processing at every tree node, in float32 (a greedy batch with
-    nothing to apply and no logprobs gets its raw logits back).
+    """What vLLM applies before its greedy argmax, at every tree node, in vLLM's
+    order: allowed-token mask, bad words, the processors that can move the argmax
+    (logit bias, min tokens, custom ones), penalties. In float32; a greedy batch with
+    nothing to apply and no logprobs gets its raw logits back, uncopied.
 
-    Per-request processors (logit bias, min tokens, min-p, custom ones) act on
-    one ``[num_reqs, vocab]`` slice per node column; penalties see each node's
-    own ancestors as already generated. With nothing to apply (a plain greedy
-    or sampled batch) the float32 logits come back as they are, uncopied.
+    Bad words and penalties read each node's own ancestors as the tokens generated
+    after the request's output so far; the per-request processors act on one
+    ``[num_reqs, vocab]`` slice per node column. Temperature and the processors that
+    cannot move the argmax (min-p) come later, in :func:`sample_node_tokens`.
     """
-    num_reqs, width = rows.shape
-    procs = list(sampling_metadata.logitsprocs.non_argmax_invariant)
-    if not sampling_metadata.all_greedy:
-        procs += list(sampling_metadata.logitsprocs.argmax_invariant)
-    procs = [proc for proc in procs if not _idle(proc)]
+    num_reqs = rows.shape[0]
+    procs = _active(sampling_metadata.logitsprocs.non_argmax_invariant)
     masked = sampling_metadata.allowed_token_ids_mask is not None
-    if not (masked or procs or not sampling_metadata.no_penalties):
+    bad_words = {r: words for r, words in sampling_metadata.bad_words_token_ids.items()
+                 if r < num_reqs}
+    penalties = not sampling_metadata.no_penalties
+    if not (masked or bad_words or procs or penalties):
         # Nothing to apply. A greedy batch without logprobs only takes argmaxes,
         # which the raw logits give alike (the float32 cast is exact and monotone):
         # no [num_rows, vocab] float32 copy.
@@ -151,24 +190,41 @@ def process_logits(
     out = logits.float()
     if out is logits:
         out = out.clone()  # edited in place below; the caller's logits stay raw
-    if masked or not sampling_metadata.no_penalties:
+    if masked or penalties:
         req_of_row = _request_of_row(rows, out.shape[0])
     if masked:
         mask = sampling_metadata.allowed_token_ids_mask[:num_reqs][req_of_row]
         out.masked_fill_(mask, float("-inf"))
-    if not sampling_metadata.no_penalties:
+    if bad_words:
+        _apply_tree_bad_words(out, rows, step, bad_words, sampling_metadata.output_token_ids)
+    for proc in procs:  # in vLLM's order
+        if type(proc) is builtin_procs.MinTokensLogitsProcessor:
+            _apply_tree_min_tokens(out, rows, step, proc)
+        else:
+            out = _apply_per_column(out, rows, step.num_scheduled + 1, [proc])
+    if penalties:
         out = _apply_tree_penalties(out, rows, req_of_row, step, sampling_metadata)
-    for col in range(width if procs else 0):
-        # Absent nodes repeat their request's last row: leave those rows as
-        # they are, so no row is processed twice.
+    return out
+
+
+def _apply_per_column(
+    logits: torch.Tensor,  # [num_rows, vocab] float32, edited in place
+    rows: torch.Tensor,  # [num_reqs, width]
+    num_nodes: torch.Tensor,  # [num_reqs], root included
+    procs: list,
+) -> torch.Tensor:
+    """vLLM's per-request processors, which take one ``[num_reqs, vocab]`` block (row r
+    = request r), once per tree column. Absent nodes repeat their request's last row:
+    those rows are left as they are, so no row is processed twice."""
+    for col in range(rows.shape[1]):
         col_rows = rows[:, col]
-        original = out[col_rows]
+        original = logits[col_rows]
         block = original.clone()
         for proc in procs:
             block = proc.apply(block)
-        present = (col <= step.num_scheduled)[:, None]
-        out[col_rows] = torch.where(present, block, original)
-    return out
+        present = (col < num_nodes)[:, None]
+        logits[col_rows] = torch.where(present, block, original)
+    return logits
 
 
 # vLLM's built-in processors and the state that is empty while no request of the
@@ -189,20 +245,36 @@ def _idle(proc) -> bool:
     )
 
 
+def _active(procs) -> list:
+    """The processors of ``procs`` that some request of the batch uses."""
+    return [proc for proc in procs if not _idle(proc)]
+
+
 def sample_node_tokens(
     processed: torch.Tensor,  # [num_rows, vocab] float32 (raw: greedy, nothing applied)
     rows: torch.Tensor,  # [num_reqs, width]
     sampling_metadata: SamplingMetadata,
     num_nodes: list[int] | None = None,  # per request, root included; None: width each
+    seeds: torch.Tensor | None = None,  # [num_rows] int64: draw as vLLM's CPU path does
 ) -> torch.Tensor:
-    """The target's token at every node, ``[num_reqs, width]``."""
+    """The target's token at every node, ``[num_reqs, width]``: the argmax of the
+    processed logits for a greedy request; for a sampled one, as vLLM's sampler
+    draws: temperature, then min-p (and any other processor that cannot move the
+    argmax), then top-k and top-p, then a draw: with ``seeds``, vLLM's CPU draw (a
+    gumbel-max keyed by the row's seed: :class:`NodeSeeds`), else the inverse CDF
+    of one uniform per node."""
     if sampling_metadata.all_greedy:
         return processed.argmax(dim=-1)[rows]
-    num_reqs = rows.shape[0]
+    num_reqs, width = rows.shape
     req_of_row = _request_of_row(rows, processed.shape[0])
     temperature = sampling_metadata.temperature[:num_reqs].float()
     is_greedy = temperature <= 0
     scaled = processed / torch.where(is_greedy, 1.0, temperature)[req_of_row, None]
+    procs = _active(sampling_metadata.logitsprocs.argmax_invariant)
+    if procs:
+        counts = torch.tensor([width] * num_reqs if num_nodes is None else num_nodes,
+                              device=rows.device)
+        scaled = _apply_per_column(scaled, rows, counts, procs)
     top_k = sampling_metadata.top_k
     top_p = sampling_metadata.top_p
     scaled = apply_top_k_top_p(
@@ -210,6 +282,23 @@ def sample_node_tokens(
         None if top_k is None else top_k[:num_reqs][req_of_row],
         None if top_p is None else top_p[:num_reqs][req_of_row],
     )
+    if seeds is not None:
+        sampled = torch.ops._C.fused_gumbel_argmax(scaled.float().contiguous(), seeds)
+    else:
+        sampled = _inverse_cdf_draw(scaled, rows, sampling_metadata.generators, num_nodes)
+    if sampling_metadata.all_random:  # no greedy request: no argmax pass
+        return sampled[rows]
+    tokens = torch.where(is_greedy[req_of_row], processed.argmax(dim=-1), sampled)
+    return tokens[rows]
+
+
+def _inverse_cdf_draw(
+    scaled: torch.Tensor,  # [num_rows, vocab] float32, processed and filtered
+    rows: torch.Tensor,  # [num_reqs, width]
+    generators: dict[int, torch.Generator],
+    num_nodes: list[int] | None,
+) -> torch.Tensor:  # [num_rows] int64
+    num_reqs, width = rows.shape
     probs = scaled.softmax(dim=-1, dtype=torch.float32)
     # One uniform per node, then the inverse CDF: a row's whole vocabulary is scanned
     # once (cumsum) instead of raced against as many random numbers (an exponential
@@ -218,17 +307,57 @@ def sample_node_tokens(
     # A seeded request draws one uniform per node from its own generator, so its stream
     # depends on its own tree only. Its nodes are the first num_nodes[req] columns
     # (the rest repeat its last row), counted on the host: no device-side count.
-    for req, generator in sampling_metadata.generators.items():
+    for req, generator in generators.items():
         if req < num_reqs:
-            count = rows.shape[1] if num_nodes is None else num_nodes[req]
+            count = width if num_nodes is None else num_nodes[req]
             uniforms[rows[req, :count]] = torch.rand(
                 count, device=probs.device, generator=generator
             )
-    sampled = inverse_cdf_sample(probs, uniforms)
-    if sampling_metadata.all_random:  # no greedy request: no argmax pass
-        return sampled[rows]
-    tokens = torch.where(is_greedy[req_of_row], processed.argmax(dim=-1), sampled)
-    return tokens[rows]
+    return inverse_cdf_sample(probs, uniforms)
+
+
+@dataclass
+class NodeSeeds:
+    """vLLM's CPU sampler draws one seed per step from a seeded request's generator
+    and samples that step's token with it. A node at depth d proposes the d-th token
+    from now, so it takes the d-th seed from now (siblings share one), and after the
+    walk each generator is put back to where it stands after the committed tokens'
+    draws: a seeded request then gives plain decoding's tokens, and the node samples
+    stay exact (the seed at depth d is independent of the path chosen above it)."""
+
+    seeds: torch.Tensor  # [num_rows] int64; unseeded requests' rows: fresh random seeds
+    states: dict[int, list[torch.Tensor]]  # request -> generator state before each depth's draw
+
+    @classmethod
+    def draw(
+        cls,
+        generators: dict[int, torch.Generator],
+        rows: torch.Tensor,  # [num_reqs, width]
+        depths: torch.Tensor,  # [num_reqs, >= width] int64, the tree's
+        num_nodes: list[int],  # per request, root included
+        num_rows: int,
+    ) -> NodeSeeds:
+        seeds = torch.randint(0, 2**31, (num_rows,), dtype=torch.long)
+        states: dict[int, list[torch.Tensor]] = {}
+        for req, generator in generators.items():
+            if req >= rows.shape[0]:
+                continue
+            node_depths = depths[req, : num_nodes[req]].cpu()
+            before, by_depth = [], []
+            for _ in range(int(node_depths.max()) + 1):
+                before.append(generator.get_state())
+                by_depth.append(torch.randint(0, 2**31, (1,), generator=generator,
+                                              dtype=torch.long).item())
+            seeds[rows[req, : num_nodes[req]].cpu()] = torch.tensor(by_depth)[node_depths]
+            states[req] = before
+        return cls(seeds=seeds.to(rows.device), states=states)
+
+    def rewind(self, generators: dict[int, torch.Generator], num_committed: list[int]) -> None:
+        """Leave each seeded generator as plain decoding would after ``num_committed``
+        tokens (one draw each)."""
+        for req, before in self.states.items():
+            if num_committed[req] < len(before):
+                generators[req].set_state(before[num_committed[req]])
 
 
 def inverse_cdf_sample(
@@ -253,6 +382,85 @@ def _request_of_row(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     return owner
 
 
+def _node_paths(step: TreeVerifyStep, rows: torch.Tensor, reqs) -> dict[int, list[list[int]]]:
+    """For each request of ``reqs``: the tokens on the way from the root to each of its
+    sent nodes (root excluded; the root's own path is empty), in node order."""
+    width = rows.shape[1]
+    tokens = step.tree.tokens[:, :width].tolist()
+    parents = step.tree.parents[:, :width].tolist()
+    num_scheduled = step.num_scheduled.tolist()
+    paths = {}
+    for r in reqs:
+        node_paths: list[list[int]] = [[]]
+        for i in range(1, num_scheduled[r] + 1):
+            node_paths.append(node_paths[parents[r][i]] + [tokens[r][i]])
+        paths[r] = node_paths
+    return paths
+
+
+def _apply_tree_bad_words(
+    logits: torch.Tensor,  # [num_rows, vocab] float32, edited in place
+    rows: torch.Tensor,  # [num_reqs, width]
+    step: TreeVerifyStep,
+    bad_words: dict[int, list[list[int]]],  # request -> token ids of each bad word
+    output_token_ids: list[list[int]],  # per request, the tokens generated so far
+) -> None:
+    """Ban, at each node, the last token of every bad word whose other tokens end the
+    node's history: the request's output so far followed by the node's ancestors (as
+    vLLM's sampler does with the output alone, and its chain sampler with the drafts
+    before each row)."""
+    flat_rows = rows.tolist()
+    banned_rows: list[int] = []
+    banned_tokens: list[int] = []
+    for r, node_paths in _node_paths(step, rows, bad_words).items():
+        keep = max(len(word) for word in bad_words[r]) - 1  # the longest prefix
+        tail = output_token_ids[r][max(0, len(output_token_ids[r]) - keep):] if keep else []
+        for i, path in enumerate(node_paths):
+            history = (tail + path)[max(0, len(tail) + len(path) - keep):] if keep else []
+            for word in bad_words[r]:
+                prefix = word[:-1]
+                if len(prefix) <= len(history) and history[len(history) - len(prefix):] == prefix:
+                    banned_rows.append(flat_rows[r][i])
+                    banned_tokens.append(word[-1])
+    if banned_rows:
+        index = torch.tensor(banned_rows, dtype=torch.int64)
+        token = torch.tensor(banned_tokens, dtype=torch.int64)
+        logits[index.to(logits.device), token.to(logits.device)] = float("-inf")
+
+
+def _apply_tree_min_tokens(
+    logits: torch.Tensor,  # [num_rows, vocab] float32, edited in place
+    rows: torch.Tensor,  # [num_reqs, width]
+    step: TreeVerifyStep,
+    proc: builtin_procs.MinTokensLogitsProcessor,
+) -> None:
+    """Stop tokens banned at each node whose token would come before the request's
+    ``min_tokens``-th: a node at depth d proposes output token ``len(output) + d``.
+    (The processor's own ``apply`` bans them at every node while the output is short,
+    which would also ban them where plain decoding allows them.) As in vLLM, a
+    structured-output request keeps its stop tokens where banning them would leave
+    no token at all."""
+    num_reqs = rows.shape[0]
+    entries = [(r, e) for r, e in proc.min_toks.items() if r < num_reqs and e[2]]
+    if not entries:
+        return
+    depths = step.tree.depths[:, : rows.shape[1]].tolist()
+    num_scheduled = step.num_scheduled.tolist()
+    flat_rows = rows.tolist()
+    for r, (min_tokens, output_ids, stop_ids, grammar) in entries:
+        remaining = min_tokens - len(output_ids)
+        banned = [flat_rows[r][i] for i in range(num_scheduled[r] + 1) if depths[r][i] < remaining]
+        if not banned:
+            continue
+        index = torch.tensor(banned, dtype=torch.int64, device=logits.device)[:, None]
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.int64, device=logits.device)[None]
+        kept = logits[index, stop]
+        logits[index, stop] = float("-inf")
+        if grammar:  # nothing else allowed: the stop tokens stay
+            empty = torch.isneginf(logits[index[:, 0]]).all(dim=-1, keepdim=True)
+            logits[index, stop] = torch.where(empty, kept, logits[index, stop])
+
+
 def _apply_tree_penalties(
     logits: torch.Tensor,
     rows: torch.Tensor,
@@ -261,19 +469,12 @@ def _apply_tree_penalties(
     sampling_metadata: SamplingMetadata,
 ) -> torch.Tensor:
     """Penalties at each node count that node's ancestors as generated."""
-    num_reqs, width = rows.shape
-    tokens = step.tree.tokens[:, :width].tolist()
-    parents = step.tree.parents[:, :width].tolist()
-    num_rows = logits.shape[0]
-    histories: list[list[int]] = [[] for _ in range(num_rows)]
+    num_reqs = rows.shape[0]
+    histories: list[list[int]] = [[] for _ in range(logits.shape[0])]
     flat_rows = rows.tolist()
-    num_scheduled = step.num_scheduled.tolist()
-    for r in range(num_reqs):
+    for r, node_paths in _node_paths(step, rows, range(num_reqs)).items():
         base = sampling_metadata.output_token_ids[r]
-        paths: list[list[int]] = [[]]
-        for i in range(1, num_scheduled[r] + 1):
-            paths.append(paths[parents[r][i]] + [tokens[r][i]])
-        for i, path in enumerate(paths):
+        for i, path in enumerate(node_paths):
             histories[flat_rows[r][i]] = base + path
     prompt = sampling_metadata.prompt_token_ids[req_of_row]
     return apply_all_penalties(
