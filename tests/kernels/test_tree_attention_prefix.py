@@ -20,7 +20,7 @@ from tests.kernels.test_tree_attention import (
     run_reference,
 )
 from tests.ops.test_attention_reference import padded_tree_mask
-from tests.triton_utils import DEVICE, INTERPRET
+from tests.triton_utils import DEVICE, INTERPRET, needs_kernel
 from vllm_ddtree.kernels.tile_keys import list_tile_keys_reference
 from vllm_ddtree.kernels.tree_attention import (
     launch_tree_attention,
@@ -38,6 +38,8 @@ from vllm_ddtree.ops.attention_reference import (
     prefix_attention_reference,
 )
 from vllm_ddtree.tensors import pack_tree_mask
+
+pytestmark = [pytest.mark.gpu, needs_kernel]
 
 
 def run_prefix_given(batch: Batch, mask: torch.Tensor | None, lse_sign: float = 1.0,

@@ -29,10 +29,11 @@ from vllm_ddtree.tensors import (
     packed_view,  # noqa: E402
 )
 
-pytestmark = pytest.mark.skipif(
+CPU_KERNELS = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="the batches here are on the CPU: the step's Triton kernels need TRITON_INTERPRET=1",
 )
+pytestmark = CPU_KERNELS
 
 BUDGET, BLOCK, VOCAB = 6, 4, 40  # max depth 3
 MAX_REQS = 8

@@ -13,6 +13,7 @@ import torch
 from tests.runner.test_v2 import (
     BLOCK,
     BUDGET,
+    CPU_KERNELS,
     MAX_REQS,
     VOCAB,
     Step,
@@ -24,6 +25,8 @@ from tests.runner.test_v2 import (
     unused_token,
 )
 from vllm_ddtree.runner import v2_sampler
+
+pytestmark = CPU_KERNELS
 
 
 def test_structured_output_batches_go_to_vllms_sampler_as_chains():
