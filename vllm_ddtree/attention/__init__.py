@@ -1,6 +1,7 @@
 """DDTree's attention backends: subclasses of vLLM's that attend tree rows under their
-ancestor masks (``cpu.py``: CPU_ATTN; ``cuda.py``: FLASH_ATTN and TRITON_ATTN), the
-metadata hook they share (``common.py``) and the step's published tree (``state.py``).
+ancestor masks (``cpu.py``: CPU_ATTN; ``cpu_mla.py``: CPU_MLA; ``cuda.py``: FLASH_ATTN
+and TRITON_ATTN), the metadata hook they share (``common.py``) and the step's published
+tree (``state.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def register_backends(device) -> None:
     )
 
     overrides = {
-        "cpu": {AttentionBackendEnum.CPU_ATTN: "cpu.DDTreeCPUAttentionBackend"},
+        "cpu": {
+            AttentionBackendEnum.CPU_ATTN: "cpu.DDTreeCPUAttentionBackend",
+            AttentionBackendEnum.CPU_MLA: "cpu_mla.DDTreeCPUMLABackend",
+        },
         "cuda": {
             AttentionBackendEnum.FLASH_ATTN: "cuda.DDTreeFlashAttentionBackend",
             AttentionBackendEnum.TRITON_ATTN: "cuda.DDTreeTritonAttentionBackend",

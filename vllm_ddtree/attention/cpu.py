@@ -12,13 +12,24 @@ per layer; within each (block, head) the first ``block_size * head_dim``
 elements hold K transposed (``[head_dim, block_size]``) and the rest hold V
 (``[block_size, head_dim]``), for the ``vec``/``vec16`` kernels that fp32 and
 bf16 use on x86 and Arm without AMX.
+
+Page size. vLLM's CPU_ATTN declares multiples of 32, but on x86 its ``vec16``
+kernel (fp32, bf16 and fp16, every head size CPU_ATTN takes; not fp8 caches)
+runs pages of 16, and vLLM picks that kernel for any page that is not a multiple
+of 32, AMX machines in bf16 included. A DDTree engine's drafter layers therefore
+also declare 16, the only page CPU_MLA runs: an MLA target and its DFlash
+drafter share one KV-cache group, hence one page size. On Arm the NEON kernel
+needs multiples of 32, so nothing is added there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from vllm.platforms import CpuArchEnum, current_platform
+from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -35,8 +46,12 @@ from vllm_ddtree.ops.attention import (
 from vllm_ddtree.ops.compaction import block_slot_moves
 from vllm_ddtree.tensors import SlotMoves
 
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
 # Cache interiors this module knows how to read (see the module docstring).
 _PLAIN_ISAS = ("vec", "vec16", "neon")
+VEC16_PAGE = 16  # the page of vLLM's vec16 kernel, and the only one CPU_MLA runs
 
 
 class DDTreeCPUAttentionBackend(CPUAttentionBackend):
@@ -45,6 +60,17 @@ class DDTreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[DDTreeCPUAttentionImpl]:
         return DDTreeCPUAttentionImpl
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(
+        kv_cache_spec: KVCacheSpec | None = None,
+    ) -> list[int | MultipleOf]:
+        """vLLM's sizes, plus 16 where its ``vec16`` kernel runs them (module docstring)."""
+        sizes = CPUAttentionBackend.get_supported_kernel_block_sizes(kv_cache_spec)
+        quantized = bool(getattr(kv_cache_spec, "kv_quant_mode", 0))  # vec16 has no fp8
+        if current_platform.get_cpu_architecture() == CpuArchEnum.X86 and not quantized:
+            return [VEC16_PAGE, *sizes]
+        return sizes
 
     @staticmethod
     def get_builder_cls() -> type[DDTreeCPUAttentionMetadataBuilder]:

@@ -326,14 +326,29 @@ def _target_kv_layers(runner: GPUModelRunner):
                 kv_cache = kv_cache[0]
             backend = getattr(layer, "attn_backend", None)
             if not hasattr(backend, "move_kv_slots_layers"):
-                raise NotImplementedError(
-                    f"DDTree needs tree attention on every target layer, but layer "
-                    f"{name} uses {getattr(backend, '__name__', backend)}, which has "
-                    "none. DDTree backends: CPU_ATTN on CPU, FLASH_ATTN and "
-                    "TRITON_ATTN on CUDA (choose one with --attention-backend); "
-                    "MLA attention is not supported yet."
-                )
+                raise NotImplementedError(_no_tree_backend_message(name, backend))
             yield name, kv_cache, backend
+
+
+def _no_tree_backend_message(layer_name: str, backend: Any) -> str:
+    """What a target layer without tree attention tells the user at start-up."""
+    get_name = getattr(backend, "get_name", None)
+    shown = get_name() if callable(get_name) else getattr(backend, "__name__", backend)
+    is_mla = getattr(backend, "is_mla", None)
+    message = (f"DDTree needs tree attention on every target layer, but layer "
+               f"{layer_name} uses {shown}, which has none. ")
+    if callable(is_mla) and is_mla():
+        return message + (
+            "DDTree's MLA backend is CPU_MLA (on CPUs with AMX, where vLLM picks "
+            "AMX_MLA, pass --attention-backend CPU_MLA). MLA on CUDA (FLASH_ATTN_MLA, "
+            "TRITON_MLA, FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA) is not supported yet; "
+            "VLLM_MLA_DISABLE=1 runs an MLA model as plain attention, which DDTree "
+            "supports."
+        )
+    return message + (
+        "DDTree backends: CPU_ATTN and CPU_MLA on CPU, FLASH_ATTN and TRITON_ATTN on "
+        "CUDA (choose one with --attention-backend)."
+    )
 
 
 def _layer_slot_mapping(slot_mappings: Any, layer_name: str) -> torch.Tensor | None:
