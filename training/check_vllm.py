@@ -100,8 +100,21 @@ def training_forward_logits(target_model, drafter, full: list[int], anchors: lis
     a = torch.tensor([anchors])
     blk, pos, mask = block_inputs(ids, a, cfg.block_size, cfg.mask_token_id)
     embed = target_model.get_input_embeddings().weight.float()
+    head = target_model.get_output_embeddings()
+    head = embed if head is None else head.weight.float()  # the target's lm_head
     out = drafter(ctx.float(), embed[blk], pos, mask).view(len(anchors), cfg.block_size, -1)
-    return out[:, 1:] @ embed.T
+    return out[:, 1:] @ head.T
+
+
+def heldout_prompts(path: Path, eval_frac: float, seed: int) -> list[str]:
+    """A run directory's held-out prompts (whole groups, training.corpus), or the
+    prompts the first drafter's script held out of a prompt file (by index)."""
+    from training.corpus import read_prompts, run_heldout_prompts
+
+    if path.is_dir():
+        return run_heldout_prompts(path)
+    corpus = [q.text for q in read_prompts(path)]
+    return [q for i, q in enumerate(corpus) if random.Random(seed + i).random() < eval_frac]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -110,17 +123,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", help="HF target directory (default: make_smollm2())")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS))
-    p.add_argument("--heldout", metavar="PROMPTS_JSON",
-                   help="use the prompts train_dflash held out of this corpus instead")
-    p.add_argument("--eval-frac", type=float, default=0.04, help="as in train_dflash")
-    p.add_argument("--seed", type=int, default=0, help="as in train_dflash")
+    p.add_argument("--heldout", metavar="RUN_DIR|PROMPTS_JSON",
+                   help="use held-out prompts instead: those of a `python -m training` run "
+                        "directory, or (for models/dflash-smollm2-135m-b8, trained before "
+                        "that command) those its old rule held out of a prompt file")
+    p.add_argument("--eval-frac", type=float, default=0.04, help="the old rule's fraction")
+    p.add_argument("--seed", type=int, default=0, help="the old rule's seed")
     p.add_argument("--json-out")
     args = p.parse_args(argv)
     prompts = PROMPTS
-    if args.heldout:  # the same selection rule as train_dflash.main
-        corpus = json.loads(Path(args.heldout).read_text())
-        prompts = [q for i, q in enumerate(corpus)
-                   if random.Random(args.seed + i).random() < args.eval_frac]
+    if args.heldout:
+        prompts = heldout_prompts(Path(args.heldout), args.eval_frac, args.seed)
     from transformers import AutoModelForCausalLM
 
     from training.dflash_model import load_checkpoint

@@ -9,7 +9,7 @@
 # Then see training/device_run.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-/work/venv/bin/python}
+PY=${PYTHON:-.venv-ci/bin/python}
 KIT=.dflash_kit
 grep -qx "/$KIT/" .git/info/exclude 2>/dev/null || echo "/$KIT/" >> .git/info/exclude
 mkdir -p "$KIT"

@@ -58,19 +58,31 @@ class DrafterConfig:
             raise ValueError(f"block_size={self.block_size}: need >= 2")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id={self.mask_token_id} outside [0, {self.vocab_size})")
+        if self.num_layers < 1 or self.num_heads < 1 or self.num_kv_heads < 1:
+            raise ValueError(f"num_layers={self.num_layers}, num_heads={self.num_heads}, "
+                             f"num_kv_heads={self.num_kv_heads}: need >= 1 each")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim}: RoPE needs an even head size")
 
     @classmethod
-    def for_target(cls, target_config: dict, **kw) -> "DrafterConfig":
-        """Shape the drafter like the target (hidden size, heads, MLP width)."""
+    def for_target(cls, target_config: dict, **kw) -> DrafterConfig:
+        """Shape the drafter like the target (hidden size, heads, MLP width); ``kw``
+        sets the rest and may override the heads, head size and MLP width."""
         tc = target_config
         rope = tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta", 1e4)
-        return cls(
-            hidden_size=tc["hidden_size"], intermediate_size=tc["intermediate_size"],
-            num_heads=tc["num_attention_heads"], num_kv_heads=tc["num_key_value_heads"],
-            head_dim=tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"],
-            vocab_size=tc["vocab_size"], num_target_layers=tc["num_hidden_layers"],
-            rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=float(rope),
-            max_position_embeddings=tc.get("max_position_embeddings", 8192), **kw)
+        heads = tc["num_attention_heads"]
+        shape = {
+            "hidden_size": tc["hidden_size"], "intermediate_size": tc["intermediate_size"],
+            "num_heads": heads, "num_kv_heads": tc.get("num_key_value_heads") or heads,
+            "head_dim": tc.get("head_dim") or tc["hidden_size"] // heads,
+            "vocab_size": tc["vocab_size"], "num_target_layers": tc["num_hidden_layers"],
+            "rms_norm_eps": tc.get("rms_norm_eps", 1e-6), "rope_theta": float(rope),
+            "max_position_embeddings": tc.get("max_position_embeddings", 8192)}
+        shape.update({k: v for k, v in kw.items() if v is not None})
+        return cls(**shape)
 
     def to_hf_config(self) -> dict:
         """The z-lab checkpoint config that vLLM's native ``"method": "dflash"`` loads."""
@@ -98,7 +110,7 @@ class DrafterConfig:
         }
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "DrafterConfig":
+    def from_hf_config(cls, cfg: dict) -> DrafterConfig:
         return cls(
             hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
             num_heads=cfg["num_attention_heads"], num_kv_heads=cfg["num_key_value_heads"],

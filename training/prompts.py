@@ -5,8 +5,12 @@ instruction-style prompts (code, math, chat, prose) generated from templates wit
 a seeded RNG. The continuations come from the target model itself, so only the
 prompts need to be varied; their quality matters little.
 
+Each prompt carries the name of its template (``group``), so that the held-out split
+(``training.corpus.split_heldout``) shares no template with training.
+
 Docstrings differ between Python versions: build the file once with
-``python -m training.prompts OUT.json`` and train from that file for exact reruns.
+``python -m training.prompts OUT.json`` (a JSON list of ``{"prompt", "group"}``) and
+train from that file for exact reruns.
 """
 
 from __future__ import annotations
@@ -133,7 +137,8 @@ def module_docs(max_chars: int = 600) -> list[tuple[str, str]]:
     return docs
 
 
-def math_prompt(rng: random.Random) -> str:
+def math_prompt(rng: random.Random) -> tuple[str, str]:
+    """A filled arithmetic template and its template's group name."""
     a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(100, 999)
     forms = [
         f"What is {a} + {b}?", f"What is {a} * {b}?", f"Compute {c} - {a}.",
@@ -147,51 +152,67 @@ def math_prompt(rng: random.Random) -> str:
         f"Convert {c} minutes to hours and minutes.",
         f"What is the least common multiple of {a} and {b}?",
     ]
-    return rng.choice(forms)
+    k, text = rng.choice(list(enumerate(forms)))
+    return text, f"math:{k}"
 
 
-def instruction_prompts(rng: random.Random, n: int) -> list[str]:
-    """``n`` template prompts, about a quarter each of code, math, chat and prose."""
+def instruction_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """``n`` template prompts, about a quarter each of code, math, chat and prose, each
+    with the name of its template (its group for the held-out split)."""
     out = []
     for i in range(n):
         kind = i % 4
         if kind == 0:
             if rng.random() < 0.8:
-                form = rng.choice(CODE_FORMS)
-                out.append(form.format(lang=rng.choice(CODE_LANGS), task=rng.choice(CODE_TASKS)))
+                k, form = rng.choice(list(enumerate(CODE_FORMS)))
+                text = form.format(lang=rng.choice(CODE_LANGS), task=rng.choice(CODE_TASKS))
+                out.append((text, f"code:{k}"))
             else:
-                out.append("Explain what this code does:\n```python\n"
-                           f"{rng.choice(SNIPPETS)}\n```")
+                snippet = f"Explain what this code does:\n```python\n{rng.choice(SNIPPETS)}\n```"
+                out.append((snippet, "code:snippet"))
         elif kind == 1:
             out.append(math_prompt(rng))
         else:
-            forms = CHAT_FORMS if kind == 2 else PROSE_FORMS
-            out.append(rng.choice(forms).format(
+            name, forms = ("chat", CHAT_FORMS) if kind == 2 else ("prose", PROSE_FORMS)
+            k, form = rng.choice(list(enumerate(forms)))
+            out.append((form.format(
                 country=rng.choice(COUNTRIES), activity=rng.choice(ACTIVITIES),
                 howto=rng.choice(HOWTOS), topic=rng.choice(TOPICS),
                 char=rng.choice(CHARACTERS), action=rng.choice(ACTIONS),
-                thing=rng.choice(THINGS)))
+                thing=rng.choice(THINGS)), f"{name}:{k}"))
     return out
+
+
+def build_prompt_records(num_instructions: int = 2500, seed: int = 0) -> list[dict[str, str]]:
+    """All prompts as ``{"prompt", "group"}`` records, deduplicated, in a fixed order.
+    The group names the template, so a held-out split by group shares no template
+    with training (``training.corpus``)."""
+    rng = random.Random(seed)
+    records: list[tuple[str, str]] = []
+    for line in zen_lines():
+        records.append((f"Explain this line from the Zen of Python: \"{line}\"", "zen:explain"))
+        records.append((f"Give an example of Python code that follows the principle \"{line}\"",
+                        "zen:example"))
+    for name, doc in module_docs():
+        records.append((f"What is the Python module `{name}` used for?", "module:purpose"))
+        records.append((f"Summarize this documentation of the Python module `{name}`:\n\n{doc}",
+                        "module:summary"))
+        records.append((f"Write a short example that uses the Python module `{name}`.",
+                        "module:example"))
+    records += instruction_prompts(rng, num_instructions)
+    first = dict(reversed(records))  # text -> the group of its first occurrence
+    return [{"prompt": text, "group": first[text]} for text in dict.fromkeys(t for t, _ in records)]
 
 
 def build_prompts(num_instructions: int = 2500, seed: int = 0) -> list[str]:
     """All prompts, deduplicated, in a fixed order (user messages, no template)."""
-    rng = random.Random(seed)
-    prompts = []
-    for line in zen_lines():
-        prompts.append(f"Explain this line from the Zen of Python: \"{line}\"")
-        prompts.append(f"Give an example of Python code that follows the principle \"{line}\"")
-    for name, doc in module_docs():
-        prompts.append(f"What is the Python module `{name}` used for?")
-        prompts.append(f"Summarize this documentation of the Python module `{name}`:\n\n{doc}")
-        prompts.append(f"Write a short example that uses the Python module `{name}`.")
-    prompts += instruction_prompts(rng, num_instructions)
-    return list(dict.fromkeys(prompts))
+    return [r["prompt"] for r in build_prompt_records(num_instructions, seed)]
 
 
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "prompts.json"
-    prompts = build_prompts()
+    records = build_prompt_records()
     with open(out, "w") as fh:
-        json.dump(prompts, fh, indent=0)
-    print(f"{len(prompts)} prompts -> {out}")
+        json.dump(records, fh, indent=0)
+    groups = len({r["group"] for r in records})
+    print(f"{len(records)} prompts in {groups} template groups -> {out}")
