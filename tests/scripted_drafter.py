@@ -46,6 +46,12 @@ def rank_rule_mixed(position: int, depth: int) -> int:
     return ABSENT
 
 
+def rank_step() -> float:
+    """Logit gap between ranks: RANK_STEP, or DDTREE_SCRIPTED_RANK_STEP where a test
+    wants a flatter drafter (one whose best small trees hold siblings)."""
+    return float(os.environ.get(RANK_STEP_ENV, RANK_STEP))
+
+
 def scripted_logprobs(
     true_tokens: list[int | None],  # token at depth 1..L, None past the reference
     rank_of: Callable[[int], int],  # depth -> rank of the true token, or ABSENT
@@ -64,7 +70,7 @@ def scripted_logprobs(
         if rank != ABSENT:
             order.insert(rank, anchor)
         for r, tok in enumerate(order[:4]):
-            logits[d - 1, tok] = -RANK_STEP * r - 0.05 * d
+            logits[d - 1, tok] = -rank_step() * r - 0.05 * d
     return logits.log_softmax(dim=-1)
 
 
@@ -78,6 +84,7 @@ RULES: dict[str, Callable[[int, int], int]] = {
     "siblings": rank_rule_siblings,
 }
 ENV = "DDTREE_SCRIPTED_DRAFTER"
+RANK_STEP_ENV = "DDTREE_SCRIPTED_RANK_STEP"
 TREE_LOG_ENV = "DDTREE_TREE_LOG_DIR"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,9 +18,10 @@ from vllm_ddtree.config import DDTreeConfig
 
 
 def vllm_config(budget=16, block_size=8, max_num_seqs=64, max_tokens=8192, eager=False,
-                sizes=None, max_size=None, ddtree=True):
+                sizes=None, max_size=None, ddtree=True, schedule=None):
     spec = SimpleNamespace(ddtree=DDTreeConfig(budget=budget, block_size=block_size,
-                                               vocab_size=1000)) if ddtree else None
+                                               vocab_size=1000),
+                           num_speculative_tokens_per_batch_size=schedule) if ddtree else None
     return SimpleNamespace(
         speculative_config=spec,
         model_config=SimpleNamespace(enforce_eager=eager),
@@ -58,6 +59,15 @@ def test_the_chain_default_of_512_tokens_no_longer_bounds_ddtree():
     chain's 16-row steps reach 32. DDTree's engine now covers its max_num_seqs."""
     sizes = ddtree_capture_sizes(vllm_config(16, 8, 64))
     assert 32 * 17 in sizes and 64 * 17 in sizes
+
+
+def test_trees_sized_per_step_get_a_graph_at_every_size():
+    from vllm_ddtree.spec_config import adaptive_schedule
+
+    sizes = ddtree_capture_sizes(vllm_config(16, 8, 64, schedule=adaptive_schedule(16)))
+    for k in (2, 4, 8, 16):
+        assert {n * (k + 1) for n in (1, 8, 32, 64)} <= set(sizes), k
+    assert max(sizes) <= MAX_CAPTURE_TOKENS
 
 
 def test_bounded_by_the_batch_token_limit_and_the_ceiling():

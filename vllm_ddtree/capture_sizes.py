@@ -11,6 +11,8 @@ the plugin therefore captures, besides vLLM's own token grid up to 512:
   every 8 to 256, every 16 beyond) up to ``max_num_seqs``, that count included: each
   uniform verify step;
 - ``n * block_size`` likewise: the drafter's pass over n requests;
+- where the tree's size varies per step (``ddtree_adaptive``, or vLLM's
+  ``num_speculative_tokens_per_batch_size``), ``n * (k + 1)`` for every size k;
 
 bounded by ``max_num_batched_tokens`` and :data:`MAX_CAPTURE_TOKENS`. The engine logs
 at start-up how many requests its graphs cover (runner/common.py).
@@ -19,6 +21,8 @@ at start-up how many requests its graphs cover (runner/common.py).
 from __future__ import annotations
 
 from typing import Any
+
+from vllm_ddtree.config import tree_sizes
 
 # The largest graph a DDTree engine captures unasked: 256 requests at budget 16 fit,
 # and a graph this size holds only activations of one step (vLLM shares one pool).
@@ -55,7 +59,9 @@ def ddtree_capture_sizes(vllm_config: Any) -> list[int] | None:
     ceiling = min(vllm_config.scheduler_config.max_num_batched_tokens, MAX_CAPTURE_TOKENS)
     max_num_seqs = vllm_config.scheduler_config.max_num_seqs
     sizes = set(token_grid(min(DEFAULT_GRID_MAX, ceiling)))
-    for width in (ddtree.verify_width, ddtree.drafter_width):
+    # Every verify width a step may have (one per tree size where sizes vary per step).
+    widths = {k + 1 for k in tree_sizes(vllm_config)} | {ddtree.drafter_width}
+    for width in sorted(widths):
         # Up to the most requests whose step fits under the ceiling, that count included.
         sizes.update(n * width for n in request_counts(min(max_num_seqs, ceiling // width)))
     return sorted(sizes)

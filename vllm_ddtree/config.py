@@ -35,6 +35,7 @@ USER_KEYS = {
     "ddtree_budget": "budget",
     "ddtree_topk_cap": "topk_cap",
     "ddtree_prefix_attention": "prefix_attention",
+    "ddtree_adaptive": "adaptive",
 }
 # Who attends verify rows to the cached prefix on CUDA (DDTreeConfig.prefix_attention).
 PrefixAttention = Literal["auto", "flash_attn", "triton"]
@@ -78,6 +79,13 @@ class DDTreeConfig(BaseModel):
         "kernel over the tree keys only, merged by LSE; 'triton' = the tree kernel "
         "alone; 'auto' = flash_attn where the FLASH_ATTN backend runs FlashAttention "
         "3 in 16 bits, else triton.",
+    )
+
+    adaptive: bool = Field(
+        False,
+        description="Choose the tree's size each step, up to the budget, from the "
+        "acceptance and step times the engine measures (ddtree_adaptive; sizing.py); "
+        "false verifies budget nodes every step.",
     )
 
     @model_validator(mode="after")
@@ -140,6 +148,9 @@ class DDTreeConfig(BaseModel):
             value = spec.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{key} must be an integer, got {value!r}.")
+        if not isinstance(spec.get("ddtree_adaptive", False), bool):
+            raise ValueError(f"ddtree_adaptive must be true or false, got "
+                             f"{spec['ddtree_adaptive']!r}.")
         try:
             cfg = cls(block_size=block_size, vocab_size=vocab_size, **fields)
         except ValueError as exc:
@@ -205,6 +216,26 @@ def get_ddtree_config(vllm_config: VllmConfig | None) -> DDTreeConfig | None:
     """The DDTree config of a vLLM config, or None when DDTree is not in use."""
     spec = getattr(vllm_config, "speculative_config", None)
     return getattr(spec, "ddtree", None)
+
+
+def trees_are_sized(vllm_config: VllmConfig | None) -> bool:
+    """Whether a step may verify fewer nodes than the budget: vLLM's batch-size
+    schedule (``num_speculative_tokens_per_batch_size``) or ``ddtree_adaptive``,
+    which lists its sizes in that schedule."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None
+
+
+def tree_sizes(vllm_config: VllmConfig | None) -> list[int]:
+    """The tree sizes a DDTree engine's steps may verify, ascending."""
+    ddtree = get_ddtree_config(vllm_config)
+    if ddtree is None:
+        return []
+    schedule = getattr(vllm_config.speculative_config, "num_speculative_tokens_per_batch_size",
+                       None)
+    if schedule is None:
+        return [ddtree.budget]
+    return sorted({min(int(k), ddtree.budget) for _, _, k in schedule})
 
 
 def checkpoint_json(path: str, name: str = "config.json") -> dict[str, Any] | None:

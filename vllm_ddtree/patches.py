@@ -24,6 +24,9 @@ Process-wide, applied by ``register()`` (PROCESS_PATCHES):
 Per DDTree engine, while it is configured (``_configure_engine``):
 ``os.environ["VLLM_USE_V2_MODEL_RUNNER"]``      config     the runner the workers build
 ``ParallelConfig.worker_cls``                   all        DDTree's worker (a seam)
+``EngineArgs.scheduler_cls`` (ddtree_adaptive)  1-2        vLLM's scheduler, the tree
+                                                           sizer as its draft-length
+                                                           lookup (a seam; scheduler.py)
 ``SpeculativeConfig`` instance ``__class__``    config     ``DDTreeSpeculativeConfig``
                                                            (spec_config.py)
 In a DDTree engine's worker, before its runner is built (ENGINE_PATCHES):
@@ -152,7 +155,26 @@ def _configure_engine(engine_args, spec: dict[str, Any], model_config, parallel_
         )
 
     # Builds vLLM's DFlash config, then switches its class to DDTreeSpeculativeConfig.
-    return make_ddtree_speculative_config(spec, build_dflash)
+    config = make_ddtree_speculative_config(spec, build_dflash)
+    if config.ddtree.adaptive:
+        _select_scheduler(engine_args)
+    return config
+
+
+SCHEDULER_CLS = "vllm_ddtree.scheduler.make_scheduler"
+
+
+def _select_scheduler(engine_args) -> None:
+    """Name DDTree's scheduler (vLLM's, with the tree sizer as its draft-length lookup)
+    in ``engine_args.scheduler_cls``, vLLM's seam for it."""
+    asked = getattr(engine_args, "scheduler_cls", None)
+    if asked not in (None, SCHEDULER_CLS):
+        raise ValueError(
+            f"ddtree_adaptive runs DDTree's scheduler ({SCHEDULER_CLS}); scheduler_cls="
+            f"{asked!r} asks for another. Leave scheduler_cls unset, or set "
+            f'"ddtree_adaptive": false.'
+        )
+    engine_args.scheduler_cls = SCHEDULER_CLS
 
 
 def _select_worker(parallel_config) -> None:

@@ -68,6 +68,18 @@ class DDTreeSpeculativeConfig(SpeculativeConfig):
     __str__ = __repr__
 
 
+def adaptive_schedule(budget: int) -> list[tuple[int, int, int]]:
+    """The sizes ddtree_adaptive may choose, written as the batch-size schedule vLLM
+    reads to capture a decode graph per draft length (one size per range; the
+    scheduler's lookup is then the sizer, never this schedule)."""
+    from vllm_ddtree.sizing import candidate_sizes
+
+    sizes = sorted(candidate_sizes(budget), reverse=True)
+    return [(i + 1, i + 1, k) for i, k in enumerate(sizes[:-1])] + [
+        (len(sizes), 1 << 20, sizes[-1])
+    ]
+
+
 def is_ddtree_request(spec: dict[str, Any] | None) -> bool:
     """Whether a user speculative-config dict asks for DDTree."""
     return isinstance(spec, dict) and str(spec.get("method", "")).lower() == "ddtree"
@@ -99,12 +111,21 @@ def make_ddtree_speculative_config(
         _check_drafter_json(drafter, raw)
     dflash = {k: v for k, v in spec.items() if k not in USER_KEYS}
     dflash["method"] = "dflash"
+    schedule = spec.get("num_speculative_tokens_per_batch_size")
     # Validate the budget before vLLM sizes anything with it.
     provisional_block = int(raw["block_size"]) if raw and "block_size" in raw else 2
     budget_cfg = DDTreeConfig.from_user_keys(
         spec, block_size=max(provisional_block, 2), vocab_size=1 << 30
     )
     dflash["num_speculative_tokens"] = budget_cfg.budget
+    if budget_cfg.adaptive:
+        if schedule is not None:
+            raise ValueError(
+                "ddtree_adaptive chooses the tree's size each step; "
+                "num_speculative_tokens_per_batch_size fixes it per batch size. "
+                "Give one of them."
+            )
+        dflash["num_speculative_tokens_per_batch_size"] = adaptive_schedule(budget_cfg.budget)
     base = build_dflash(dflash)
 
     draft_hf = base.draft_model_config.hf_config

@@ -92,9 +92,38 @@ def test_unknown_key(tiny_llama, drafter):
     with pytest.raises(
         ValueError,
         match=r"Unknown DDTree key\(s\) \['ddtree_budgt'\]; the DDTree keys are "
-        r"\['ddtree_budget', 'ddtree_prefix_attention', 'ddtree_topk_cap'\]",
+        r"\['ddtree_adaptive', 'ddtree_budget', 'ddtree_prefix_attention', 'ddtree_topk_cap'\]",
     ):
         engine_config(tiny_llama, ddtree(drafter, ddtree_budgt=8))
+
+
+def test_adaptive_names_ddtrees_scheduler_and_every_size(tiny_llama, drafter):
+    config = engine_config(tiny_llama, ddtree(drafter, ddtree_budget=8, ddtree_adaptive=True))
+    assert config.scheduler_config.scheduler_cls == "vllm_ddtree.scheduler.make_scheduler"
+    spec = config.speculative_config
+    assert spec.ddtree.adaptive and spec.num_speculative_tokens == 8
+    assert sorted({k for _, _, k in spec.num_speculative_tokens_per_batch_size}) == [0, 1, 2,
+                                                                                     4, 8]
+    fixed = engine_config(tiny_llama, ddtree(drafter, ddtree_budget=8))
+    assert fixed.scheduler_config.scheduler_cls != "vllm_ddtree.scheduler.make_scheduler"
+    assert fixed.speculative_config.num_speculative_tokens_per_batch_size is None
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"num_speculative_tokens_per_batch_size": [[1, 8, 4]]}, "Give one of them"),
+    ({"ddtree_adaptive": "on"}, "ddtree_adaptive must be true or false"),
+])
+def test_adaptive_conflicts(tiny_llama, drafter, extra, match):
+    spec = ddtree(drafter, ddtree_budget=8, ddtree_adaptive=True)
+    spec.update(extra)
+    with pytest.raises(ValueError, match=match):
+        engine_config(tiny_llama, spec)
+
+
+def test_adaptive_refuses_another_scheduler(tiny_llama, drafter):
+    with pytest.raises(ValueError, match="scheduler_cls="):
+        engine_config(tiny_llama, ddtree(drafter, ddtree_budget=8, ddtree_adaptive=True),
+                      scheduler_cls="my.Scheduler")
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,34 @@ def test_v2_greedy_identical_float32(gpu_qwen3, make_drafter, hf_float32, monkey
         assert (f"DDTree {part}: the step's launches replay as a CUDA graph" in log) == graphs
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("sizing", ["adaptive", "schedule"])
+def test_v2_sized_trees_greedy_identical_float32(gpu_qwen3, make_drafter, hf_float32,
+                                                 monkeypatch, tmp_path, capfd, v2_runner,
+                                                 sizing, graphs):
+    """Trees sized per step (ddtree_adaptive; vLLM's batch-size schedule): the V2
+    speculator cuts its trees to the size asked, and the steps stay lossless."""
+    ids = [tuple(i) for i in _prompt_ids(gpu_qwen3)]
+    expected = hf_float32(ids)
+    scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [e[0] for e in expected])))
+    config = _ddtree(make_drafter(gpu_qwen3, BLOCK), 16)
+    if sizing == "adaptive":
+        config["ddtree_adaptive"] = True
+    else:
+        config["num_speculative_tokens_per_batch_size"] = [[1, 4, 16], [5, 256, 3]]
+    llm = gpu_llm(gpu_qwen3, config, graphs=graphs)
+    try:
+        batch16 = greedy(llm, PROMPTS16, MAX_TOKENS)
+        batch1 = greedy(llm, PROMPTS16[3:4], MAX_TOKENS)
+        metrics = spec_metrics(llm)
+    finally:
+        shutdown(llm)
+    identical = assert_identical_or_near_tie(batch16, expected, FLOAT32_NEAR_TIE)
+    assert identical >= len(PROMPTS16) - 2
+    assert_identical_or_near_tie(batch1, expected[3:4], FLOAT32_NEAR_TIE)
+    assert 0 < metrics["num_draft_tokens"] < 16 * metrics["num_drafts"]
+
+
 def _prompt_ids(model):
     """Token ids of PROMPTS16 as vLLM makes them (the checkpoint's tokenizer)."""
     if not hasattr(_prompt_ids, "cache"):

@@ -132,7 +132,8 @@ def speculator_stub(trees: DDTree, row_of_state: torch.Tensor):
 
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec.__dict__.update(trees=trees, tree_row_of_state=row_of_state, mapped_batch=None,
-                         _batch_rows=torch.arange(MAX_REQS), draft_attn_layer_names=set())
+                         _batch_rows=torch.arange(MAX_REQS), draft_attn_layer_names=set(),
+                         sized=False, node_lp=torch.zeros(trees.tokens.shape))
     return spec
 
 
@@ -233,6 +234,12 @@ def test_graph_captures_of_verify_shape_publish_a_causal_tree():
     assert info.mask_buffer is state.mask_buffer
     assert v2.publish_for_build(state, batch([1] * 3), for_capture=True) is None
     assert v2.publish_for_build(state, batch([width] * 3), for_capture=False) is None
+    # Trees sized per step: a capture at each size's width holds the kernel too.
+    assert v2.publish_for_build(state, batch([3] * 2), for_capture=True) is None
+    state.verify_widths = frozenset({3, width})
+    info = v2.publish_for_build(state, batch([3] * 2), for_capture=True)
+    assert info.num_rows.tolist() == [3, 3]
+    assert bool(info.tree_mask[0].equal(torch.ones(3, 3, dtype=torch.bool).tril()))
     state.attn_info = "this step's"
     assert v2.publish_for_build(state, batch([1] * 3), for_capture=False) == "this step's"
 
@@ -281,6 +288,37 @@ def test_speculator_builds_trees_in_its_pass_and_maps_states_to_rows(monkeypatch
     assert spec.tree_row_of_state.tolist() == [-1] * MAX_REQS
     DDTreeSpeculator.propose(spec, batch, dummy_run=True)
     assert spec.tree_row_of_state.tolist() == [-1] * MAX_REQS
+    with pytest.raises(RuntimeError, match="not sized per step"):
+        DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=3)
+
+
+def test_a_smaller_size_asked_leaves_the_best_trees_of_that_size(monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
+
+    num_reqs, depth = 3, BLOCK - 1
+    logprobs = torch.randn(num_reqs, depth, VOCAB).log_softmax(-1)
+    spec = speculator_stub(Step().trees_buffer, torch.zeros(MAX_REQS, dtype=torch.int64))
+    spec.__dict__.update(
+        ddtree=ddtree_config(), num_speculative_steps=depth, sized=True,
+        sample_indices=torch.arange(num_reqs * depth),
+        input_buffers=SimpleNamespace(input_ids=torch.tensor(
+            [11, 0, 0, 0, 12, 0, 0, 0, 13, 0, 0, 0], dtype=torch.int32)),
+        _root_rows=torch.arange(MAX_REQS) * BLOCK,
+        _run_model=lambda *args: torch.zeros(num_reqs * BLOCK, 4),
+        draft_logprobs=lambda hidden, n: logprobs,
+    )
+    DDTreeSpeculator._generate_draft(spec, num_reqs, num_reqs * BLOCK, None, None, None)
+    monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *args, **kwargs: None)
+    batch = SimpleNamespace(num_reqs=num_reqs, idx_mapping=torch.tensor([6, 1, 4]))
+    drafts = DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=3)
+    expected = build_ddtree(logprobs, torch.tensor([11, 12, 13]), 3)
+    assert torch.equal(drafts[:, :3], expected.tokens[:, 1:])
+    for field in ("tokens", "parents", "depths", "valid", "num_nodes"):
+        assert torch.equal(getattr(spec.trees, field)[:num_reqs, :4]
+                           if field != "num_nodes" else spec.trees.num_nodes[:num_reqs],
+                           getattr(expected, field))
 
 
 def test_the_drafters_graph_stores_a_verify_steps_context_rows():

@@ -42,7 +42,7 @@ from vllm_ddtree.attention.state import (
     causal_attention_info,
     publishing,
 )
-from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.config import get_ddtree_config, tree_sizes
 from vllm_ddtree.kernels.step_trees import step_trees_triton
 from vllm_ddtree.runner.common import (
     check_tree_backends,
@@ -98,6 +98,7 @@ def install(runner: GPUModelRunner) -> None:
               and runner.compilation_config.cudagraph_mode != CUDAGraphMode.NONE)
     runner.ddtree_state = DDTreeV2State.create(ddtree, runner.max_num_reqs,
                                                runner.max_num_tokens, runner.device, graphs)
+    runner.ddtree_state.verify_widths |= {k + 1 for k in tree_sizes(runner.vllm_config) if k}
     logger.info("DDTree on the V2 model runner: verify width %d, drafter width %d.",
                 ddtree.verify_width, ddtree.drafter_width)
     log_graph_coverage(runner.vllm_config, ddtree)
@@ -124,14 +125,15 @@ def publish_for_build(
 ) -> TreeAttentionInfo | None:
     """The tree to publish while the target's attention metadata is built: this
     step's, or for the capture of a full CUDA graph of verify shape (``budget + 1``
-    rows per request) a causal one, so that the graph holds the tree kernel, which
+    rows per request, or ``k + 1`` for each size k a step may verify) a causal one, so
+    that the graph holds the tree kernel, which
     then reads each replayed step's masks from the mask buffer."""
     if state.attn_info is not None or not for_capture:
         return state.attn_info
-    width = state.ddtree.verify_width
     num_reqs = input_batch.num_reqs_after_padding
     query_start = input_batch.query_start_loc_np[: num_reqs + 1]
-    if num_reqs == 0 or int(np.diff(query_start).max()) != width:
+    width = int(np.diff(query_start).max()) if num_reqs else 0
+    if width not in state.verify_widths:  # one per tree size where sizes vary per step
         return None
     return causal_attention_info(torch.from_numpy(query_start.astype(np.int32)), width,
                                  state.mask_buffer)

@@ -30,12 +30,15 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config, trees_are_sized
+from vllm_ddtree.ops.subtree import best_subtree, node_logprobs
 from vllm_ddtree.ops.tree import build_ddtree
 from vllm_ddtree.runner.common import drafter_view
 from vllm_ddtree.tensors import DDTree
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
+
+TREE_FIELDS = ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes")
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -56,6 +59,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.trees = DDTree.zeros(rows, width, device)
         # Request state index -> its row in `trees` (-1: no tree from the last pass).
         self.tree_row_of_state = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        # Trees sized per step (vLLM's num_speculative_tokens_per_batch_size, or
+        # ddtree_adaptive): each node's log q, kept by the pass for best_subtree.
+        self.sized = trees_are_sized(vllm_config)
+        self.node_lp = torch.zeros(rows, width, dtype=torch.float32, device=device)
         self._batch_rows = torch.arange(rows, dtype=torch.int64, device=device)
         # The batch whose order tree_row_of_state holds already (runner/v2_sampler.py sets it
         # after its walk graph ran map_batch over that batch); cleared by propose.
@@ -94,8 +101,18 @@ class DDTreeSpeculator(DFlashSpeculator):
         logprobs = self.draft_logprobs(sample_hidden_states, num_reqs)
         roots = self.input_buffers.input_ids[self._root_rows[:num_reqs]].to(torch.int64)
         tree = build_ddtree(logprobs, roots, self.ddtree.budget, self.ddtree.topk_cap)
-        for field in ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes"):
+        for field in TREE_FIELDS:
             getattr(self.trees, field)[:num_reqs].copy_(getattr(tree, field))
+        if self.sized:
+            self.node_lp[:num_reqs].copy_(node_logprobs(tree, logprobs))
+
+    def size_trees(self, num_reqs: int, k: int) -> None:
+        """Cut the last pass's ``num_reqs`` trees to their best ``k`` nodes, in place
+        (k < budget: the scheduler's size for this batch). Eager, between replays."""
+        trees = DDTree(**{field: getattr(self.trees, field)[:num_reqs] for field in TREE_FIELDS})
+        sub = best_subtree(trees, self.node_lp[:num_reqs], k, self.ddtree.max_depth)
+        for field in TREE_FIELDS:
+            getattr(trees, field).copy_(getattr(sub, field))
 
     def map_batch(self, idx_mapping: torch.Tensor) -> None:
         """``tree_row_of_state`` for a pass over a batch of these state indices
@@ -109,7 +126,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         """DFlash's pass; returns the trees' ``[num_reqs, budget]`` draft tokens in node
         order (preorder: parents before children), a view of ``trees.tokens``."""
         dummy = kwargs.get("dummy_run", False)
-        built = kwargs.get("num_speculative_tokens") != 0
+        k = kwargs.get("num_speculative_tokens")
+        built = k != 0
         mapped, self.mapped_batch = self.mapped_batch, None
         super().propose(input_batch, *args, **kwargs)
         num_reqs = input_batch.num_reqs
@@ -119,6 +137,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         if built and not dummy and num_reqs > 0:
             if mapped is not input_batch:
                 self.map_batch(input_batch.idx_mapping[:num_reqs])
+            if k is not None and k < self.ddtree.budget:
+                if not self.sized:
+                    raise RuntimeError(f"DDTree: {k} drafts asked of a speculator "
+                                       "whose trees are not sized per step")
+                self.size_trees(num_reqs, k)
         else:
             self.tree_row_of_state.fill_(-1)
         return self.trees.tokens[:num_reqs, 1:]

@@ -136,6 +136,9 @@ class DDTreeV2State(RunnerState):
     attn_infos: StepAttentionInfos = field(default_factory=StepAttentionInfos)
     # The step goes to vLLM's rejection sampler as chains (structured outputs).
     chain_only: bool = False
+    # Query rows per request of the steps that verify trees: budget + 1, and k + 1 for
+    # every other size k a step may verify (config.tree_sizes); set by runner/v2.install.
+    verify_widths: frozenset = frozenset()
     # The step's ExecuteModelState (hidden states, slot mappings) while it is sampled.
     exec_state: Any = None
     v2_inputs: ClassVar[bool] = True
@@ -151,4 +154,5 @@ class DDTreeV2State(RunnerState):
             buffers=StepBuffers.allocate(ddtree, max_num_reqs, max_num_tokens, device),
             graphs_before=StepGraphs(device, "tree layout", graphs),
             graphs_after=StepGraphs(device, "walk and compaction", graphs),
+            verify_widths=frozenset({ddtree.verify_width}),
         )
