@@ -41,6 +41,10 @@ GRAPH_COVERAGE = ("e2e_h200_interleave_2.json", "e2e_h200_interleave_1.json")
 GPU_STEP = "gpu_step_20261202_9d08fc0_v2.json"
 # Step cost by batch up to 64 and by tree size (the load question), one H200 session.
 GPU_STEP_LOAD = ("gpu_step_h200_v2_load.json", "gpu_step_h200_v2_small_trees.json")
+# The real pair's tau at T=0, batch 8, by method, for the 8B-shaped projection.
+PROJECTION_TAU = {"chain": ("e2e_h200_b89fd64.json", "chain"),
+                  ("ddtree", 8): ("e2e_h200_interleave_2.json", "ddtree-b8-k4"),
+                  ("ddtree", 16): ("e2e_h200_b89fd64.json", "ddtree-b16-knone")}
 TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
 TREE_OPS = ("tree_ops_preorder_fused_ab_h200.json", "fused")
 PROFILE = "gpu_profile_20261204_cb12350_real.json"
@@ -328,6 +332,51 @@ def gpu_step_load(doc: Doc) -> str:
          "sized by the benchmark to cover every batch measured; one round. Break-even tau "
          "is the step's cost over plain decoding's: the tokens a step must commit to match "
          f"plain decoding's speed. The chain verifies block-size rows (16). Sources: {links}."),
+    ])
+
+
+@renderer("projection-8b")
+def projection_8b(doc: Doc) -> str:
+    """A projection, not a measurement: the real pair's tau over the 8B-shaped step
+    costs, as speed relative to plain decoding, and the best of the sizes per batch."""
+    runs = [run for name in GPU_STEP_LOAD for run in load(name)["runs"] if not run["error"]]
+    ms = {(run["method"], run.get("budget"), row["batch"]): row["ms_per_step"]
+          for run in runs for row in run["rows"]}
+    batches = sorted({b for _, _, b in ms})
+    tau = {}
+    for key, (name, method) in PROJECTION_TAU.items():
+        tau[key] = row_at(load(name)["results"][method], 0.0, 8)["tau"]
+    methods = [("chain", "chain", None), ("DDTree B=8", "ddtree", 8),
+               ("DDTree B=16", "ddtree", 16)]
+
+    def speed(method: str, budget: int | None, batch: int) -> float:  # ÷ plain
+        key = "chain" if method == "chain" else (method, budget)
+        return tau[key] * ms["plain", None, batch] / ms[method, budget, batch]
+
+    rows = []
+    for label, method, budget in methods:
+        key = "chain" if method == "chain" else (method, budget)
+        rows.append([label, f"{tau[key]:.2f}",
+                     *(x(speed(method, budget, b)) for b in batches)])
+    best = []
+    for b in batches:
+        sized = max([1.0] + [speed(m, k, b) for _, m, k in methods[1:]])
+        best.append(f"{x(sized)} ({x(sized / speed('chain', None, b))} chain)")
+    rows.append(["best DDTree size or none, per batch", "-", *best])
+    sources = sorted({name for name, _ in PROJECTION_TAU.values()} | set(GPU_STEP_LOAD))
+    return "\n".join([
+        table(["method", "tau (real pair)", *(f"÷ plain, batch {b}" for b in batches)], rows),
+        "",
+        ("**A projection, not a measurement.** Speed relative to plain decoding = tau / "
+         "(the step's cost over plain decoding's), with tau measured on the real pair "
+         "(SmolLM2-135M and the b8 drafter, H200, T=0, batch 8, the four-prompt set: "
+         "tuned prompts, so the taus are optimistic) and the costs of the Qwen3-8B-shaped "
+         "target above. The chain's cost is that of 16 rows (the shape's block-16 drafter) "
+         "against the tau of the real pair's 7-draft chain, so its row is a floor. DDTree "
+         "B=8 took tau with top-k cap 4, the cost without a cap. The last row is what "
+         "sizing per step could reach with these sizes (none = plain decoding's speed; "
+         "the sizer's size 0 still runs the drafter). Sources: "
+         + ", ".join(doc.link(n) for n in sources) + "."),
     ])
 
 
