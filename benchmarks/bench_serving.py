@@ -28,13 +28,13 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import bench_e2e
 import prompt_sets
 import serving_client
+from serving_client import Method
 import serving_summary
 
 RESULTS = bench_e2e.RESULTS
@@ -129,13 +129,6 @@ def split(text: str, kind: type) -> list:
 
 
 # --- methods ---------------------------------------------------------------------------
-
-
-@dataclass
-class Method:
-    name: str
-    config: dict | None  # the speculative_config; None: plain decoding
-    skip: str | None = None  # why it cannot run with this plugin, if it cannot
 
 
 def parse_schedule(text: str, max_k: int) -> list[list[int]]:

@@ -26,13 +26,20 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import prompt_sets
 
-if TYPE_CHECKING:
-    from bench_serving import Method
+
+@dataclass
+class Method:
+    """One engine of the benchmark: a name and its speculative config."""
+
+    name: str
+    config: dict | None  # the speculative_config; None: plain decoding
+    skip: str | None = None  # why it cannot run with this plugin, if it cannot
+
 
 # The plugin sets VLLM_USE_V2_MODEL_RUNNER in the process that starts a DDTree engine;
 # every engine and server here starts from the value the run began with instead.
