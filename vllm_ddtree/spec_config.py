@@ -231,8 +231,15 @@ def _checkpoint_tensor_names(path: str) -> set[str] | None:
 
     names: set[str] = set()
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            names.update(f.keys())
+        try:
+            with safe_open(file, framework="pt") as f:
+                names.update(f.keys())
+        except Exception as exc:  # safetensors' errors name neither file nor model
+            raise ValueError(
+                f"DDTree cannot read the drafter checkpoint {path!r}: "
+                f"{os.path.basename(file)} is not a readable safetensors file ({exc}). "
+                "Download or convert the drafter again."
+            ) from exc
     return names
 
 
