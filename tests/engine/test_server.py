@@ -213,6 +213,37 @@ def test_server_ran_ddtree(base_url, server_process):
     assert drafts > 0, "no speculative drafts were recorded"
 
 
+def scrape(base_url: str) -> dict[str, float]:
+    """The server's metrics, each sample's name and labels as written, summed over
+    engines."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0] + "".join(
+                f"{{{part}}}" for part in name[:-1].split("{")[1].split(",")
+                if part.startswith("depth=")) if "{" in name else name
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def test_ddtree_metrics_read_as_a_tree(base_url, server_process):
+    # vllm_ddtree.metrics, loaded by vLLM as a stat-logger plugin: the same counts as
+    # vLLM's spec-decode counters, per depth only down to the tree's deepest level.
+    m = scrape(base_url)
+    assert m["ddtree:verify_steps_total"] == m["vllm:spec_decode_num_drafts_total"] > 0
+    assert m["ddtree:tree_nodes_total"] == m["vllm:spec_decode_num_draft_tokens_total"]
+    assert m["ddtree:accepted_tokens_total"] == m["vllm:spec_decode_num_accepted_tokens_total"]
+    depths = sorted(k for k in m if k.startswith("ddtree:accepted_tokens_per_depth_total"))
+    assert depths == [f'ddtree:accepted_tokens_per_depth_total{{depth="{d}"}}'
+                      for d in range(1, BLOCK)]
+    assert sum(m[k] for k in depths) == m["ddtree:accepted_tokens_total"]
+    assert m["ddtree:tree_size_count"] > 0
+    assert m["ddtree:tree_size_sum"] / m["ddtree:tree_size_count"] <= BUDGET
+
+
 def test_server_logs_ddtree_summary(base_url, server_process):
     _, _, log_file, _ = server_process
     log = log_file.read_text(errors="replace")
