@@ -302,6 +302,10 @@ def _patch_cudagraph_sizes() -> None:
 
         sizes = ddtree_capture_sizes(self)  # None: not DDTree, or the user's choice stands
         if sizes is not None:
+            logger.info(
+                "DDTree: CUDA graphs at %d batch sizes up to %d tokens, covering every "
+                "verify step up to max_num_seqs (vLLM logs their memory after capture).",
+                len(sizes), max(sizes))
             # As if the user had listed them: vLLM keeps them (up to the batch's
             # token limit) and captures a graph for each.
             self.compilation_config.cudagraph_capture_sizes = sizes
