@@ -244,25 +244,35 @@ def test_graph_captures_of_verify_shape_publish_a_causal_tree():
     assert v2.publish_for_build(state, batch([1] * 3), for_capture=False) == "this step's"
 
 
-def test_speculator_builds_trees_in_its_pass_and_maps_states_to_rows(monkeypatch):
-    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-
+def drafted_speculator(num_reqs: int, sized: bool = False):
+    """A speculator stub with its pass's fields (no engine) after one drafter pass over
+    ``num_reqs`` requests whose roots are 11, 12, 13, ...; and that pass's log-probs."""
     from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
 
-    num_reqs, depth = 3, BLOCK - 1
+    depth = BLOCK - 1
     logprobs = torch.randn(num_reqs, depth, VOCAB).log_softmax(-1)
-    # Its pass's fields, no engine.
+    input_ids = torch.zeros(num_reqs * BLOCK, dtype=torch.int32)  # bonus + mask slots
+    input_ids[::BLOCK] = torch.arange(11, 11 + num_reqs, dtype=torch.int32)
     spec = speculator_stub(Step().trees_buffer, torch.zeros(MAX_REQS, dtype=torch.int64))
     spec.__dict__.update(
-        ddtree=ddtree_config(), num_speculative_steps=depth,
+        ddtree=ddtree_config(), num_speculative_steps=depth, sized=sized,
         sample_indices=torch.arange(num_reqs * depth),
-        input_buffers=SimpleNamespace(input_ids=torch.tensor(
-            [11, 0, 0, 0, 12, 0, 0, 0, 13, 0, 0, 0], dtype=torch.int32)),
+        input_buffers=SimpleNamespace(input_ids=input_ids),
         _root_rows=torch.arange(MAX_REQS) * BLOCK,
         _run_model=lambda *args: torch.zeros(num_reqs * BLOCK, 4),
         draft_logprobs=lambda hidden, n: logprobs,
     )
     DDTreeSpeculator._generate_draft(spec, num_reqs, num_reqs * BLOCK, None, None, None)
+    return spec, logprobs
+
+
+def test_speculator_builds_trees_in_its_pass_and_maps_states_to_rows(monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
+
+    num_reqs = 3
+    spec, logprobs = drafted_speculator(num_reqs)
     expected = build_ddtree(logprobs, torch.tensor([11, 12, 13]), BUDGET)
     for field in ("tokens", "parents", "depths", "valid", "ancestor_mask", "num_nodes"):
         assert torch.equal(getattr(spec.trees, field)[:num_reqs], getattr(expected, field))
@@ -297,19 +307,8 @@ def test_a_smaller_size_asked_leaves_the_best_trees_of_that_size(monkeypatch):
 
     from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
 
-    num_reqs, depth = 3, BLOCK - 1
-    logprobs = torch.randn(num_reqs, depth, VOCAB).log_softmax(-1)
-    spec = speculator_stub(Step().trees_buffer, torch.zeros(MAX_REQS, dtype=torch.int64))
-    spec.__dict__.update(
-        ddtree=ddtree_config(), num_speculative_steps=depth, sized=True,
-        sample_indices=torch.arange(num_reqs * depth),
-        input_buffers=SimpleNamespace(input_ids=torch.tensor(
-            [11, 0, 0, 0, 12, 0, 0, 0, 13, 0, 0, 0], dtype=torch.int32)),
-        _root_rows=torch.arange(MAX_REQS) * BLOCK,
-        _run_model=lambda *args: torch.zeros(num_reqs * BLOCK, 4),
-        draft_logprobs=lambda hidden, n: logprobs,
-    )
-    DDTreeSpeculator._generate_draft(spec, num_reqs, num_reqs * BLOCK, None, None, None)
+    num_reqs = 3
+    spec, logprobs = drafted_speculator(num_reqs, sized=True)
     monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *args, **kwargs: None)
     batch = SimpleNamespace(num_reqs=num_reqs, idx_mapping=torch.tensor([6, 1, 4]))
     drafts = DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=3)
