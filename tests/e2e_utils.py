@@ -120,6 +120,15 @@ def greedy(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def plain_reference(model, prompts: list[str], max_tokens: int):
+    """(prompt ids, greedy output ids) of plain decoding, from an engine of its own."""
+    llm = make_llm(str(model))
+    try:
+        return prompt_ids(llm, prompts), greedy(llm, prompts, max_tokens)
+    finally:
+        shutdown(llm)
+
+
 def prompt_ids(llm, prompts: list[str]) -> list[tuple[int, ...]]:
     outputs = llm.generate(prompts, _one_token(), use_tqdm=False)
     return [tuple(o.prompt_token_ids) for o in outputs]

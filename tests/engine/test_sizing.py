@@ -14,7 +14,7 @@ from tests.e2e_utils import (
     greedy,
     keep_async_scheduling,
     make_llm,
-    prompt_ids,
+    plain_reference,
     shutdown,
     spec_metrics,
 )
@@ -28,11 +28,7 @@ BLOCK, BUDGET, CAP = 8, 16, 4
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    llm = make_llm(str(tiny_llama))
-    ids = prompt_ids(llm, PROMPTS)
-    outputs = greedy(llm, PROMPTS, MAX_TOKENS + 20)
-    shutdown(llm)
-    return ids, outputs
+    return plain_reference(tiny_llama, PROMPTS, MAX_TOKENS + 20)
 
 
 def run(tiny_llama, make_drafter, reference, monkeypatch, tmp_path, rule="mixed",
