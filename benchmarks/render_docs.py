@@ -45,6 +45,8 @@ GPU_STEP_LOAD = ("gpu_step_h200_v2_load.json", "gpu_step_h200_v2_small_trees.jso
 PROJECTION_TAU = {"chain": ("e2e_h200_b89fd64.json", "chain"),
                   ("ddtree", 8): ("e2e_h200_interleave_2.json", "ddtree-b8-k4"),
                   ("ddtree", 16): ("e2e_h200_b89fd64.json", "ddtree-b16-knone")}
+# MT-Bench on the CPU with the real pair: fixed trees against trees sized per step.
+SERVING_CPU = "serving_cpu_mtbench.json"
 TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
 TREE_OPS = ("tree_ops_preorder_fused_ab_h200.json", "fused")
 PROFILE = "gpu_profile_20261204_cb12350_real.json"
@@ -377,6 +379,38 @@ def projection_8b(doc: Doc) -> str:
          "sizing per step could reach with these sizes (none = plain decoding's speed; "
          "the sizer's size 0 still runs the drafter). Sources: "
          + ", ".join(doc.link(n) for n in sources) + "."),
+    ])
+
+
+@renderer("serving-cpu")
+def serving_cpu(doc: Doc) -> str:
+    """bench_serving.py's offline table of one run: tokens/s and ratios with intervals."""
+    data = load(SERVING_CPU)
+    settings = data["settings"]
+
+    def ratio(cell: dict | None) -> str:
+        if not cell:
+            return "-"
+        low, high = cell["interval_90"]
+        return f"{x(cell['median'])} ({low:.2f}-{high:.2f})"
+
+    rows = []
+    for r in sorted(data["summary"], key=lambda r: (r["load"], r["method"])):
+        low, high = r["tok_per_s"]["interval_90"]
+        rows.append([str(r["load"]), r["method"], f"{r['tau']:.2f}" if r["tau"] else "-",
+                     f"{r['tok_per_s']['median']:.1f} ({low:.1f}-{high:.1f})",
+                     ratio(r["vs_plain"]), ratio(r["vs_chain"])])
+    return "\n".join([
+        table(["batch", "method", "tau", "tokens/s (90% interval)", "÷ plain", "÷ chain"], rows,
+              "rllrrr"),
+        "",
+        (f"Real pair (SmolLM2-135M and the b8 drafter), device {data['device']!r} (a 2-core "
+         f"CPU), float32, MT-Bench (first turns, shuffled), {settings['max_tokens']} new tokens per "
+         f"request, {settings['rounds']} timed rounds, engines one at a time (a round's ratios "
+         "pair passes by round number). On a CPU a step's cost grows with its rows at once, so "
+         "this is where a fixed tree loses most under load; the H200's costs are other. "
+         "ddtree16-adaptive's tau counts only the steps that drafted (its steps of size 0 "
+         f"verify no tree). Source: {doc.link(SERVING_CPU)}."),
     ])
 
 
