@@ -34,8 +34,8 @@ from typing import Any
 import bench_e2e
 import prompt_sets
 import serving_client
-from serving_client import Method
 import serving_summary
+from serving_client import Method
 
 RESULTS = bench_e2e.RESULTS
 # Defaults of the full run, and of the CPU smoke run that --pair tiny selects.
