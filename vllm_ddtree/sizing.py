@@ -58,6 +58,8 @@ class TreeSizer:
     _accepted: dict[int, deque] = field(init=False)  # size -> accepted drafts per request
     _last_tried: dict[int, int] = field(init=False)  # size -> step it last ran
     _cost: dict[int, deque] = field(init=False)  # rows -> seconds per step
+    _rows: list[int] = field(init=False)  # the row counts of _cost, ascending
+    _median: dict[int, float] = field(init=False)  # rows -> median of _cost[rows]
     _step: int = field(init=False, default=0)
     _chosen: dict[int, int] = field(init=False)  # batch size -> size, since the last log
     _last_log: float = field(init=False, default=0.0)
@@ -69,6 +71,8 @@ class TreeSizer:
         self._accepted = {k: deque(maxlen=ACCEPT_WINDOW) for k in self.sizes if k > 0}
         self._last_tried = {}
         self._cost = {}
+        self._rows = []
+        self._median = {}
         self._chosen = {}
 
     # vLLM's scheduler reads the size as dynamic_sd_lookup[num_requests].
@@ -113,19 +117,19 @@ class TreeSizer:
         return sum(seen) / len(seen) if seen else None
 
     def step_time(self, rows: int) -> float | None:
-        known = sorted(self._cost)
+        known, median = self._rows, self._median
         if not known:
             return None
-        times = [statistics.median(self._cost[r]) for r in known]
         if rows <= known[0]:
-            return times[0]
+            return median[known[0]]
         if rows >= known[-1]:
-            return times[-1] * rows / known[-1]
+            return median[known[-1]] * rows / known[-1]
         i = bisect.bisect_left(known, rows)
-        if known[i] == rows:
-            return times[i]
-        lo, hi = known[i - 1], known[i]
-        return times[i - 1] + (times[i] - times[i - 1]) * (rows - lo) / (hi - lo)
+        hi = known[i]
+        if hi == rows:
+            return median[hi]
+        lo = known[i - 1]
+        return median[lo] + (median[hi] - median[lo]) * (rows - lo) / (hi - lo)
 
     def observe(self, drafts_and_accepted: Iterable[tuple[int, int]], rows: int | None,
                 seconds: float | None) -> None:
@@ -135,7 +139,12 @@ class TreeSizer:
             if drafts in self._accepted:
                 self._accepted[drafts].append(accepted)
         if rows is not None and seconds is not None and seconds > 0:
-            self._cost.setdefault(rows, deque(maxlen=COST_WINDOW)).append(seconds)
+            if rows not in self._cost:
+                self._cost[rows] = deque(maxlen=COST_WINDOW)
+                bisect.insort(self._rows, rows)
+            self._cost[rows].append(seconds)
+            # Kept here, once per sample: the scheduler reads step_time several times a step.
+            self._median[rows] = statistics.median(self._cost[rows])
 
     def report(self, now: float | None = None) -> str | None:
         """A log line of the sizes chosen since the last one, at most every LOG_EVERY_S."""
