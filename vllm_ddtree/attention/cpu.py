@@ -43,7 +43,7 @@ from vllm_ddtree.ops.attention import (
     plan_tree_attention_torch,
     run_tree_attention_torch,
 )
-from vllm_ddtree.ops.compaction import block_slot_moves
+from vllm_ddtree.ops.compaction import move_slots_per_layer
 from vllm_ddtree.tensors import SlotMoves
 
 if TYPE_CHECKING:
@@ -93,10 +93,8 @@ class DDTreeCPUAttentionBackend(CPUAttentionBackend):
         dst_slots: torch.Tensor,  # [num_reqs, width] int64
     ) -> None:
         """Compaction's KV moves for every layer of a cache group, layer by layer."""
-        page = kv_caches[0].shape[2]
-        moves = block_slot_moves(src_slots.flatten(), dst_slots.flatten(), page)
-        for kv_cache in kv_caches:
-            DDTreeCPUAttentionBackend.move_kv_slots(kv_cache, moves)
+        move_slots_per_layer(DDTreeCPUAttentionBackend.move_kv_slots, kv_caches,
+                             src_slots, dst_slots, block_size=kv_caches[0].shape[2])
 
 
 @dataclass

@@ -38,7 +38,7 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from vllm_ddtree.attention.common import check_tree_support
 from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
-from vllm_ddtree.ops.compaction import block_slot_moves
+from vllm_ddtree.ops.compaction import move_slots_per_layer
 from vllm_ddtree.ops.mla_attention import mla_tree_attention
 from vllm_ddtree.tensors import SlotMoves
 
@@ -78,10 +78,8 @@ class DDTreeCPUMLABackend(CPUMLABackend):
         dst_slots: torch.Tensor,  # [num_reqs, width] int64
     ) -> None:
         """Compaction's KV moves for every layer of a cache group, layer by layer."""
-        page = kv_caches[0].shape[1]
-        moves = block_slot_moves(src_slots.flatten(), dst_slots.flatten(), page)
-        for kv_cache in kv_caches:
-            DDTreeCPUMLABackend.move_kv_slots(kv_cache, moves)
+        move_slots_per_layer(DDTreeCPUMLABackend.move_kv_slots, kv_caches,
+                             src_slots, dst_slots, block_size=kv_caches[0].shape[1])
 
 
 @dataclass

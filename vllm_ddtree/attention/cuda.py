@@ -70,7 +70,7 @@ from vllm_ddtree.kernels.tree_attention import (
     tree_attention_triton,
 )
 from vllm_ddtree.kernels.tree_attention_plan import plan_signature, plan_tree_attention
-from vllm_ddtree.ops.compaction import block_slot_moves
+from vllm_ddtree.ops.compaction import move_slots_per_layer
 from vllm_ddtree.sync import step_phase
 from vllm_ddtree.tensors import SlotMoves
 
@@ -107,9 +107,8 @@ def move_kv_slots_layers(
     """Compaction's KV moves for every layer of a cache group, layer by layer with
     :func:`move_kv_slots`: for caches the one-launch kernel cannot take
     (kernels.kv_move.compact_kv_triton, which the runner calls directly)."""
-    moves = block_slot_moves(src_slots.flatten(), dst_slots.flatten(), kv_caches[0].shape[2])
-    for kv_cache in kv_caches:
-        move_kv_slots(kv_cache, moves)
+    move_slots_per_layer(move_kv_slots, kv_caches, src_slots, dst_slots,
+                         block_size=kv_caches[0].shape[2])
 
 
 def tree_attention_step(

@@ -16,6 +16,8 @@ own unchanged value both times.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vllm_ddtree.tensors import CompactionPlan, SlotMoves, WalkResult
@@ -143,6 +145,20 @@ def block_slot_moves(
         dst_block=dst_slots // block_size,
         dst_offset=dst_slots % block_size,
     )
+
+
+def move_slots_per_layer(
+    move: Callable[[torch.Tensor, SlotMoves], None],  # one layer's in-place move
+    kv_caches: list[torch.Tensor],  # a cache group's layers, one layout
+    src_slots: torch.Tensor,  # [num_reqs, width] int64 flat slots
+    dst_slots: torch.Tensor,  # [num_reqs, width] int64
+    block_size: int,
+) -> None:
+    """Compaction's KV moves for every layer of a cache group: the (block, offset) pairs
+    made once, then ``move`` per layer."""
+    moves = block_slot_moves(src_slots.flatten(), dst_slots.flatten(), block_size)
+    for kv_cache in kv_caches:
+        move(kv_cache, moves)
 
 
 def move_slots(
