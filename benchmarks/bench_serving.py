@@ -270,6 +270,7 @@ def drive(driver, methods: list[Method], keys: list[tuple], rounds: int, togethe
 
     def start(method: Method) -> bool:
         print(f"[serving] {driver.mode}: starting {method.name}", flush=True)
+        started = time.perf_counter()
         try:
             handle = driver.start(method)
         except Exception as exc:  # noqa: BLE001 (one failed method must not end the run)
@@ -279,6 +280,7 @@ def drive(driver, methods: list[Method], keys: list[tuple], rounds: int, togethe
             return False
         live.append((method, handle))  # from here on the finally below stops it
         record("engine", {"mode": driver.mode, "method": method.name, "status": "ok",
+                          "startup_s": round(time.perf_counter() - started, 1),
                           **driver.settings(handle)})
         for tau in driver.prepare(handle, method, keys):
             record("tau", tau)
@@ -398,6 +400,10 @@ def results_stem(args: argparse.Namespace, default: str) -> Path:
 
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
+
+    # This process touches CUDA before its engines start (memory share, prompt sets):
+    # their engine-core processes must be spawned, not forked.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
     target, drafter = bench_e2e.resolve_models(args)
     block = json.loads((drafter / "config.json").read_text())["block_size"]

@@ -161,6 +161,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         return False
     panels = sorted({(r["mode"], r["set"], r["temperature"]) for r in rows},
                     key=lambda p: (p[0] != "offline", p[1], p[2]))
+    if not panels:
+        return False
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
     for ax, (mode, name, temperature) in zip(axes[0], panels):
         mine = [r for r in rows if (r["mode"], r["set"], r["temperature"]) == (mode, name,

@@ -532,3 +532,9 @@ def test_smoke_run_on_the_cpu_writes_what_the_summary_reads(tiny_llama, make_dra
     assert rows[("offline", "ddtree8", 2)]["vs_plain"]["median"] > 0
     assert rows[("serve", "ddtree8", 2)]["ttft_ms"]["p50"] > 0
     assert data["summary"] == summary["rows"]
+
+
+def test_plot_without_rows_draws_nothing(tmp_path):
+    """A run whose engines all failed has no rows: no figure, no error."""
+    assert serving_summary.plot([], tmp_path / "none.png") is False
+    assert not (tmp_path / "none.png").exists()
