@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 
 from tests import scripted_drafter
-from tests.e2e_utils import PROMPTS, greedy, make_llm, prompt_ids, shutdown
+from tests.e2e_utils import (
+    PROMPTS,
+    generate_with_aborts,
+    greedy,
+    make_llm,
+    prompt_ids,
+    shutdown,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -95,8 +102,6 @@ def test_abort_in_the_middle_of_trees(tiny_llama, make_drafter, reference, monke
                                       tmp_path):
     """Requests aborted while their trees are in flight free their slots; the others
     and the next requests are plain decoding's."""
-    from tests.e2e_utils import generate_with_aborts
-
     by_ids, by_prompt = reference
     llm = ddtree(tiny_llama, make_drafter, by_ids, monkeypatch, tmp_path)
     try:
