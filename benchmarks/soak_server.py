@@ -15,6 +15,12 @@ reference (``--reference-url``, or ``--reference`` to start a plain server with 
 arguments once the soak is done) it replays every completed T=0 and seeded request there
 and compares the texts.
 
+``--long-requests N`` adds a last phase on the same engine: N greedy requests of
+``--long-tokens`` tokens each (EOS ignored), one at a time, so the engine runs many
+consecutive decode steps; they are compared with the reference like the T=0 requests.
+Each level reports the engine steps it took (the count of vLLM's per-iteration token
+histogram), and ``--min-engine-steps`` fails a run whose engine stepped fewer times.
+
     # against running servers
     python benchmarks/soak_server.py --url http://127.0.0.1:8000 --model smollm2 \\
         --reference-url http://127.0.0.1:8001 --requests 2000 --concurrency 8,32,64
@@ -25,8 +31,8 @@ and compares the texts.
 
 Writes ``--out`` (JSON, default benchmarks/results/soak.json) and prints a table. Exit
 status 1 when any level had an error, a lost request, KV usage left, an unhealthy server
-or a T=0 text that differs from the reference (unless ``--mismatch-ok``: bf16 is not
-token-exact). Standard library only.
+a T=0 text that differs from the reference (unless ``--mismatch-ok``: bf16 is not
+token-exact) or fewer engine steps than ``--min-engine-steps``. Standard library only.
 """
 
 from __future__ import annotations
@@ -116,6 +122,20 @@ def make_requests(n: int, seed: int, prompt_len: tuple[int, int], output_len: tu
             body["stream_options"] = {"include_usage": True}
         specs.append({"index": i, "body": body, "stream": stream,
                       "cancel_after": cancel_after, "tags": tags})
+    return specs
+
+
+def make_long_requests(n: int, tokens: int) -> list[dict]:
+    """``n`` greedy requests of ``tokens`` output tokens each (EOS ignored), short prompts
+    from different places in the text; indices after the mixed levels' (10**6 + i)."""
+    step = max(1, len(TEXT) // max(1, n))
+    specs = []
+    for i in range(n):
+        words = [TEXT[(i * step + j) % len(TEXT)] for j in range(48)]
+        specs.append({"index": 10**6 + i, "stream": False, "cancel_after": None,
+                      "tags": ["t0", "long"],
+                      "body": {"prompt": " ".join(words), "max_tokens": tokens,
+                               "temperature": 0.0, "ignore_eos": True}})
     return specs
 
 
@@ -241,7 +261,9 @@ def read_metrics(url: str) -> dict[str, float]:
     """The gauges and counters the soak reads, from /metrics (summed over labels)."""
     wanted = {"vllm:kv_cache_usage_perc", "vllm:num_requests_running",
               "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts",
-              "vllm:spec_decode_num_accepted_tokens"}
+              "vllm:spec_decode_num_accepted_tokens",
+              # one observation per engine iteration: its count is the engine's steps
+              "vllm:iteration_tokens_total_count"}
     out: dict[str, float] = {}
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         for line in resp.read().decode().splitlines():
@@ -303,6 +325,8 @@ def soak(url: str, model: str, specs: list[dict], concurrency: int, timeout: flo
         "output_tokens": sum(r.get("tokens", 0) for r in ok), "wall_s": wall,
         "output_tokens_per_s": sum(r.get("tokens", 0) for r in ok) / wall if wall else 0.0,
         "tokens_per_verify_step": 1 + accepted / drafts if drafts else None,
+        "engine_steps": int(after.get("vllm:iteration_tokens_total_count", 0)
+                            - before.get("vllm:iteration_tokens_total_count", 0)),
         "kv_cache_usage_after": after.get("vllm:kv_cache_usage_perc"),
         "requests_running_after": after.get("vllm:num_requests_running"),
         "health_after": health(url),
@@ -373,6 +397,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="8", help="levels, comma-separated: 8,32,64")
     p.add_argument("--prompt-len", type=_pair, default=(1, 2048), help="tokens, min,max")
     p.add_argument("--output-len", type=_pair, default=(1, 512), help="tokens, min,max")
+    p.add_argument("--long-requests", type=int, default=0,
+                   help="then this many long greedy requests, one at a time")
+    p.add_argument("--long-tokens", type=int, default=3000,
+                   help="output tokens of each long request")
+    p.add_argument("--min-engine-steps", type=int, default=0,
+                   help="fail unless the engine stepped at least this often")
     p.add_argument("--no-structured", action="store_true", help="no structured outputs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="per request, seconds")
@@ -409,6 +439,12 @@ def run(args: argparse.Namespace) -> dict:
             everything.append((specs, results))
             # Each level's figures are kept as it ends: a run cut off later keeps them.
             write_report(args, levels_out, None, partial=True)
+        if args.long_requests:
+            specs = make_long_requests(args.long_requests, args.long_tokens)
+            summary, results = soak(url, args.model, specs, 1, args.timeout, 120.0)
+            levels_out.append(dict(summary, phase="long"))
+            everything.append((specs, results))
+            write_report(args, levels_out, None, partial=True)
     finally:
         if server is not None:
             stop_server(server)
@@ -438,7 +474,9 @@ def write_report(args: argparse.Namespace, levels: list[dict], reference: dict |
     report = {"config": {k: (str(v) if isinstance(v, Path) else v)
                          for k, v in vars(args).items()},
               "levels": levels, "reference": reference}
-    report["passed"] = passed(report, args.mismatch_ok) and not partial
+    report["engine_steps"] = sum(s.get("engine_steps", 0) for s in levels)
+    report["passed"] = (passed(report, args.mismatch_ok) and not partial
+                        and report["engine_steps"] >= args.min_engine_steps)
     if partial:
         report["partial"] = "cut off before every level and the reference ran"
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -457,14 +495,15 @@ def passed(report: dict, mismatch_ok: bool = False) -> bool:
 def print_table(report: dict) -> None:
     cols = ["concurrency", "requests", "ok", "cancelled", "error", "lost", "latency_p50_s",
             "latency_p99_s", "output_tokens_per_s", "tokens_per_verify_step",
-            "kv_cache_usage_after", "health_after"]
+            "engine_steps", "kv_cache_usage_after", "health_after"]
     print(" | ".join(cols))
     for s in report["levels"]:
-        print(" | ".join(f"{s[c]:.3g}" if isinstance(s[c], float) else str(s[c])
-                         for c in cols))
+        print(" | ".join(f"{s.get(c):.3g}" if isinstance(s.get(c), float)
+                         else str(s.get(c)) for c in cols))
     for s in report["levels"]:
         for sample in s["error_samples"]:
             print(f"  concurrency {s['concurrency']}: {sample}")
+    print(f"engine steps: {report['engine_steps']}")
     ref = report["reference"]
     if ref is not None:
         print(f"reference: T=0 {ref['t0'][1]}/{ref['t0'][0]} identical, "

@@ -19,7 +19,8 @@
 # vLLM kit lacks: docs/benchmarks.md lists them).
 # `soak` runs benchmarks/soak_server.py on the real pair the same way: a DDTree server
 # (SOAK_SPEC, default budget 16, top-k cap 4; SOAK_DTYPE, default float32) under
-# SOAK_ARGS (default 670 requests at concurrency 8, 32 and 64), then a plain server
+# SOAK_ARGS (default 670 requests at concurrency 8, 32 and 64, then 24 greedy requests of
+# 3,900 tokens one at a time, at least 20,000 engine steps in all), then a plain server
 # with the same flags that replays every T=0 and seeded request (SOAK_TIMEOUT, SOAK_STEM).
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -111,8 +112,9 @@ if [ "$what" = soak ]; then
   TRITON_F32_DEFAULT=ieee timeout "${SOAK_TIMEOUT:-540}" python3 benchmarks/soak_server.py \
     --serve "$target" --model smollm2 --speculative-config "$spec" --reference \
     --reference-concurrency 64 --out "$out/${SOAK_STEM:-soak_h200}.json" \
-    ${SOAK_ARGS:---requests 670 --concurrency 8,32,64} \
-    --server-args --dtype "${SOAK_DTYPE:-float32}" --max-model-len 4096 2>&1 \
+    ${SOAK_ARGS:---requests 670 --concurrency 8,32,64 --long-requests 24 --long-tokens 3900 \
+      --min-engine-steps 20000} \
+    --server-args --dtype "${SOAK_DTYPE:-float32}" --max-model-len 4096 --max-num-seqs 64 2>&1 \
     | tee "$out/soak.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer" | tail -40
   rc=${PIPESTATUS[0]}; echo "soak exit code: $rc"
 fi

