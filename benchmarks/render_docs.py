@@ -50,6 +50,8 @@ SERVING_CPU = "serving_cpu_mtbench.json"
 TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
 TREE_OPS = ("tree_ops_preorder_fused_ab_h200.json", "fused")
 PROFILE = "gpu_profile_20261204_cb12350_real.json"
+# The OpenAI server soak on the GPU (soak_server.py).
+SOAK_GPU = "soak_h100_no_reference.json"
 
 
 class Doc:
@@ -411,6 +413,40 @@ def serving_cpu(doc: Doc) -> str:
          "this is where a fixed tree loses most under load; the H200's costs are other. "
          "ddtree16-adaptive's tau counts only the steps that drafted (its steps of size 0 "
          f"verify no tree). Source: {doc.link(SERVING_CPU)}."),
+    ])
+
+
+@renderer("soak-gpu")
+def soak_gpu(doc: Doc) -> str:
+    """soak_server.py's levels on the GPU: requests, errors, latency, steps."""
+    data = load(SOAK_GPU)
+    config, ref = data["config"], data["reference"]
+    rows = []
+    for level in data["levels"]:
+        name = "long, one at a time" if level.get("phase") == "long" else str(
+            level["concurrency"])
+        rows.append([name, str(level["requests"]), str(level["ok"]), str(level["cancelled"]),
+                     str(level["error"]), str(level["lost"]), str(level["structured"]),
+                     f"{level['latency_p50_s']:.2f} / {level['latency_p99_s']:.2f}",
+                     f"{level['output_tokens_per_s']:.0f}",
+                     f"{level['tokens_per_verify_step']:.2f}", str(level["engine_steps"]),
+                     f"{level['kv_cache_usage_after']:g}", str(level["health_after"])])
+    if ref is None:
+        compared = "No plain server replayed its texts in this run (not compared)."
+    else:
+        compared = (f"A plain server replayed them: T=0 {ref['t0'][1]}/{ref['t0'][0]} "
+                    f"identical, seeded {ref['seeded'][1]}/{ref['seeded'][0]}.")
+    spec = json.loads(config["speculative_config"])
+    return "\n".join([
+        table(["concurrency", "requests", "ok", "cancelled", "errors", "lost", "structured",
+               "latency p50 / p99 s", "tokens/s", "tokens per step", "engine steps",
+               "KV after", "/health after"], rows),
+        "",
+        (f"One DDTree server (budget {spec['ddtree_budget']}, top-k cap "
+         f"{spec.get('ddtree_topk_cap')}), the real pair, "
+         f"{' '.join(config['server_args'])}, V2 runner with CUDA graphs, "
+         f"{data['engine_steps']} engine steps in all. {compared} "
+         f"Source: {doc.link(SOAK_GPU)}."),
     ])
 
 

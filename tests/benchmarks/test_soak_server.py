@@ -4,9 +4,11 @@ a plain server for the reference texts), as the script runs on the H200."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,70 @@ def test_arguments_need_one_server():
     assert args.server_args == ["--dtype", "float32"] and args.concurrency == "8,32"
 
 
+class _Fake(http.server.BaseHTTPRequestHandler):
+    """A plain server's stand-in: /health, and /v1/completions answering each prompt
+    with the text in ``answers``."""
+    answers: dict[str, str] = {}
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        answer = {"choices": [{"text": self.answers[body["prompt"]], "finish_reason": "length"}],
+                  "usage": {"completion_tokens": 3}}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_replay_compares_an_earlier_soaks_texts(tmp_path):
+    """The split run: a soak's JSON and texts file, replayed later on a plain server;
+    the report keeps the soak's levels and settings and adds the comparison."""
+    level = {"error": 0, "lost": 0, "kv_cache_usage_after": 0.0,
+             "requests_running_after": 0.0, "health_after": 200, "engine_steps": 900}
+    specs = [{"index": i, "stream": bool(i % 2), "cancel_after": None, "tags": tags,
+              "body": {"prompt": f"p{i}", "max_tokens": 3, "temperature": t}}
+             for i, (tags, t) in enumerate([(["t0"], 0.0), (["t0"], 0.0),
+                                            (["sampled", "seeded"], 0.8),
+                                            (["sampled"], 0.8)])]
+    results = [{"index": i, "tags": s["tags"], "status": "ok", "text": f"t{i}"}
+               for i, s in enumerate(specs)]
+    entries = soak.replayable(specs, results)
+    assert [e["result"]["index"] for e in entries] == [0, 1, 2]  # unseeded T=0.8 left out
+    earlier = tmp_path / "soak.json"
+    args = soak.parse_args(["--serve", "m", "--min-engine-steps", "1000",
+                            "--out", str(earlier)])
+    soak.write_report(args, [level], None)
+    soak.texts_path(earlier).write_text(json.dumps({"levels": [entries]}))
+    _Fake.answers = {"p0": "t0", "p1": "different", "p2": "t2"}
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = tmp_path / "merged.json"
+        replay = soak.parse_args(["--replay", str(earlier), "--reference-url",
+                                  f"http://127.0.0.1:{server.server_port}", "--out", str(out)])
+        report = soak.run(replay)
+    finally:
+        server.shutdown()
+    assert report["reference"]["t0"] == [2, 1] and report["reference"]["seeded"] == [1, 1]
+    assert report["reference"]["mismatches"][0]["index"] == 1
+    assert report["levels"] == [level] and report["soak_config"]["min_engine_steps"] == 1000
+    assert not report["passed"]  # one T=0 text differs, and 900 steps < 1000
+    assert json.loads(out.read_text())["reference"] == report["reference"]
+    with pytest.raises(SystemExit):  # a plain server only
+        soak.parse_args(["--replay", str(earlier), "--serve", "m",
+                         "--speculative-config", "{}"])
+    with pytest.raises(SystemExit):  # no texts file beside it
+        soak.parse_args(["--replay", str(out), "--serve", "m"])
+
+
 @pytest.mark.slow
 def test_soak_on_the_cpu(tiny_llama_repetitive, make_drafter, tmp_path):
     drafter = make_drafter(tiny_llama_repetitive, 8, mode="repeat")
@@ -112,3 +178,6 @@ def test_soak_on_the_cpu(tiny_llama_repetitive, make_drafter, tmp_path):
     ref = report["reference"]
     assert ref["t0"][0] >= 12 and ref["t0"][1] == ref["t0"][0]
     assert ref["seeded"][0] >= 2 and ref["seeded"][1] == ref["seeded"][0]
+    # The texts a later --replay would compare: every request the reference replayed.
+    texts = json.loads(soak.texts_path(out).read_text())["levels"]
+    assert sum(len(entries) for entries in texts) == ref["t0"][0] + ref["seeded"][0]
