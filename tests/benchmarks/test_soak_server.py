@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -82,7 +83,7 @@ def test_arguments_need_one_server():
 class _Fake(http.server.BaseHTTPRequestHandler):
     """A plain server's stand-in: /health, and /v1/completions answering each prompt
     with the text in ``answers``."""
-    answers: dict[str, str] = {}
+    answers: ClassVar[dict[str, str]] = {}
 
     def do_GET(self):
         self.send_response(200)

@@ -1,0 +1,180 @@
+"""Tree attention for MLA verify rows in Triton, over the latent cache.
+
+The tree half of the MLA tree path on CUDA: the backend's own decode kernel attends
+each verify row to its request's prefix (non-causal, with its LSE), and this kernel
+resumes that softmax over the row's tree ancestors among the verify keys, so the
+result is the row's attention over prefix and ancestors. Without a prefix result it
+attends the ancestors alone. Its torch twin is ``ops/mla_attention.mla_tree_attention``
+(``keys="all"`` with a prefix result, ``keys="tree"`` without); the cache layout, the
+absorbed queries, the verify rows and the mask mean what they mean there.
+
+Kernel design (one program per verify row x block of heads):
+- MLA is MQA over one latent row per key, shared by all heads: a program holds
+  ``BLOCK_H`` heads' queries (``kv_lora_rank`` + ``rope_dim`` wide) and each key tile
+  it loads feeds all of them through one ``tl.dot``; the latent ``kv_c`` is the key's
+  no-rope part and the value both.
+- Keys are the request's verify tokens only (at most budget + 1), ``BLOCK_N`` at a
+  time; a key is seen iff its bit in the row's packed ancestor mask is set (``j <= i``
+  without a mask).
+- Prefix given: the softmax starts from the prefix's output and natural-log LSE
+  (``m = lse``, ``l = 1``, ``acc = out``); an LSE of +inf (no prefix keys) starts it
+  empty. Softmax in float32.
+- Rows past ``query_start_loc[-1]`` (padding) are left as they are: zeros and +inf
+  when the kernel allocates the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_ddtree.kernels.device import require_triton_device
+from vllm_ddtree.tensors import pack_tree_mask
+
+__all__ = ["mla_tree_attention_triton"]
+
+
+def mla_tree_attention_triton(
+    q_nope: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank], W_UK absorbed
+    q_pe: torch.Tensor,  # [num_tokens, num_heads, rope_dim], rotated
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, including the verify tokens
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    tree_mask: torch.Tensor | None,  # [num_reqs, max_q, max_q] bool, or packed int32
+    scale: float,
+    prefix_out: torch.Tensor | None = None,  # [num_tokens, num_heads, kv_lora_rank]
+    prefix_lse: torch.Tensor | None = None,  # [num_heads, >= num_tokens] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # out like q_nope, lse [num_heads, num_tokens]
+    """Each verify row's latent attention over its tree ancestors, resumed from its
+    prefix attention when ``prefix_out`` and ``prefix_lse`` are given (then written
+    into ``prefix_out``, which is returned)."""
+    require_triton_device(q_nope, "mla_tree_attention_triton", "mla_tree_attention")
+    num_tokens, num_heads, rank = q_nope.shape
+    rope = q_pe.shape[-1]
+    if kv_cache.shape[-1] != rank + rope or q_pe.shape[:2] != q_nope.shape[:2]:
+        raise ValueError(
+            f"expected q_nope [num_tokens, num_heads, kv_lora_rank], q_pe [num_tokens, "
+            f"num_heads, rope_dim] and kv_cache [..., kv_lora_rank + rope_dim], got "
+            f"{tuple(q_nope.shape)}, {tuple(q_pe.shape)} and {tuple(kv_cache.shape)}"
+        )
+    if (prefix_out is None) != (prefix_lse is None):
+        raise ValueError("give both prefix_out and prefix_lse, or neither")
+    num_reqs = seq_lens.shape[0]
+    if tree_mask is not None and tree_mask.dtype == torch.bool:
+        tree_mask = pack_tree_mask(tree_mask)
+    if prefix_out is None:
+        out = torch.zeros_like(q_nope)
+        lse = torch.full((num_heads, num_tokens), float("inf"), dtype=torch.float32,
+                         device=q_nope.device)
+    else:
+        out, lse = prefix_out, prefix_lse
+    # The request of each row (num_reqs for padding rows), found on the device.
+    rows = torch.arange(num_tokens, device=q_nope.device, dtype=query_start_loc.dtype)
+    token_req = torch.searchsorted(query_start_loc[1:].contiguous(), rows, right=True)
+    mask = tree_mask if tree_mask is not None else token_req  # unread without a mask
+    block_h = 16
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _mla_tree_kernel[grid](
+        q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, token_req, mask,
+        out, lse,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_table.stride(0),
+        mask.stride(0) if tree_mask is not None else 0,
+        mask.stride(1) if tree_mask is not None else 0,
+        out.stride(0), out.stride(1), lse.stride(0),
+        num_heads, num_reqs, scale,
+        RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
+        ROPE=rope, ROPE_PAD=triton.next_power_of_2(rope),
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=16,
+        HAS_MASK=tree_mask is not None, PREFIX_GIVEN=prefix_out is not None,
+        DOT_PRECISION="tf32x3" if q_nope.dtype == torch.float32 else "tf32",
+    )
+    return out, lse
+
+
+@triton.jit
+def _mla_tree_kernel(
+    q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, token_req_ptr,
+    mask_ptr, out_ptr, lse_ptr,
+    qn_stride_t, qn_stride_h, qp_stride_t, qp_stride_h,
+    kv_stride_b, kv_stride_s, kv_stride_d,
+    bt_stride_r, mask_stride_r, mask_stride_i,
+    out_stride_t, out_stride_h, lse_stride_h,
+    num_heads, num_reqs, scale,
+    RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, PREFIX_GIVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    req = tl.load(token_req_ptr + t)
+    real = req < num_reqs  # padding rows: no keys, nothing stored
+    head_ok = (heads < num_heads) & ((heads * 0 + req) < num_reqs)
+    req = tl.minimum(req, num_reqs - 1)
+    first = tl.load(qsl_ptr + req)
+    num_queries = tl.where(real, tl.load(qsl_ptr + req + 1) - first, 0)
+    row = t - first
+    prefix_len = tl.load(seq_lens_ptr + req) - num_queries
+
+    offs_r = tl.arange(0, RANK_PAD)
+    offs_p = tl.arange(0, ROPE_PAD)
+    r_ok = offs_r < RANK
+    p_ok = offs_p < ROPE
+    qn = tl.load(q_nope_ptr + t * qn_stride_t + heads[:, None] * qn_stride_h + offs_r[None, :],
+                 mask=head_ok[:, None] & r_ok[None, :], other=0.0)
+    qp = tl.load(q_pe_ptr + t * qp_stride_t + heads[:, None] * qp_stride_h + offs_p[None, :],
+                 mask=head_ok[:, None] & p_ok[None, :], other=0.0)
+
+    if PREFIX_GIVEN:
+        lse0 = tl.load(lse_ptr + heads * lse_stride_h + t, mask=head_ok,
+                       other=float("inf"))
+        empty = lse0 == float("inf")
+        m = tl.where(empty, float("-inf"), lse0)
+        l_sum = tl.where(empty, 0.0, 1.0)
+        acc = tl.load(out_ptr + t * out_stride_t + heads[:, None] * out_stride_h
+                      + offs_r[None, :], mask=head_ok[:, None] & r_ok[None, :],
+                      other=0.0).to(tl.float32)
+        acc = tl.where(empty[:, None], 0.0, acc)
+    else:
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, RANK_PAD), tl.float32)
+
+    for start in range(0, num_queries, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < num_queries
+        if HAS_MASK:
+            words = tl.load(mask_ptr + req * mask_stride_r + row * mask_stride_i + keys // 32,
+                            mask=key_ok, other=0)
+            seen = key_ok & (((words >> (keys % 32)) & 1) != 0)
+        else:
+            seen = key_ok & (keys <= row)
+        pos = prefix_len + keys
+        block = tl.load(block_table_ptr + req * bt_stride_r + pos // PAGE_SIZE, mask=key_ok,
+                        other=0)
+        base = kv_ptr + block.to(tl.int64) * kv_stride_b + (pos % PAGE_SIZE) * kv_stride_s
+        kv_c = tl.load(base[:, None] + offs_r[None, :] * kv_stride_d,
+                       mask=key_ok[:, None] & r_ok[None, :], other=0.0)
+        k_pe = tl.load(base[:, None] + (RANK + offs_p[None, :]) * kv_stride_d,
+                       mask=key_ok[:, None] & p_ok[None, :], other=0.0)
+        s = tl.dot(qn, tl.trans(kv_c), input_precision=DOT_PRECISION)
+        s = tl.dot(qp, tl.trans(k_pe), s, input_precision=DOT_PRECISION) * scale
+        s = tl.where(seen[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)  # exp(-inf) = 0 while nothing was seen
+        p = tl.exp(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kv_c.dtype), kv_c, acc * alpha[:, None],
+                     input_precision=DOT_PRECISION)
+        m = m_new
+
+    none = l_sum == 0.0
+    result = acc / tl.where(none, 1.0, l_sum)[:, None]
+    lse = tl.where(none, float("inf"), m + tl.log(tl.where(none, 1.0, l_sum)))
+    tl.store(out_ptr + t * out_stride_t + heads[:, None] * out_stride_h + offs_r[None, :],
+             result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & r_ok[None, :])
+    tl.store(lse_ptr + heads * lse_stride_h + t, lse, mask=head_ok)
