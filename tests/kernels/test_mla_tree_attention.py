@@ -1,7 +1,7 @@
 """The MLA tree kernel against its torch twin (ops/mla_attention.py) and against plain
-MLA per branch: the prefix through the twin's prefix pass (the backend's kernel on the
-GPU), then the kernel over the tree keys from that partial result; and the tree keys
-alone."""
+MLA per branch: the prefix attended by the kernel, or through the twin's prefix pass (a
+backend's kernel on the GPU) and resumed by the kernel over the tree keys; and the tree
+keys alone."""
 
 from __future__ import annotations
 
@@ -32,19 +32,23 @@ def to_device(batch):
     return batch
 
 
-def run_kernel(batch, mask, prefix: bool):
+def run_kernel(batch, mask, prefix: str):
+    """prefix: "given" (the twin's prefix pass, resumed), "computed" (attended by the
+    kernel) or "none" (the tree keys alone)."""
     prefix_out = prefix_lse = None
-    if prefix:
+    if prefix == "given":
         prefix_out, prefix_lse = batch.run(None, keys="prefix")
     out, lse = mla_tree_attention_triton(
         batch.q_absorbed, batch.q_pe, batch.kv_cache, batch.block_table, batch.seq_lens,
-        batch.query_start_loc, mask, batch.dims.scale, prefix_out, prefix_lse)
+        batch.query_start_loc, mask, batch.dims.scale, "tree" if prefix == "none" else "all",
+        prefix_out, prefix_lse)
     return out.cpu(), lse.cpu()
 
 
+@pytest.mark.parametrize("prefix", ["given", "computed"])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("budget", [1, 8, 17, 31])
-def test_resumed_from_the_prefix_equals_plain_mla_per_branch(budget, packed):
+def test_every_branch_equals_plain_mla(budget, packed, prefix):
     """Prefix 0 (no prefix keys: LSE +inf), a page-crossing prefix and odd widths; a
     mask wider than the requests with garbage padding; two padding rows."""
     trees = random_trees([budget, 3, budget], 15, seed=budget)
@@ -52,7 +56,7 @@ def test_resumed_from_the_prefix_equals_plain_mla_per_branch(budget, packed):
     batch = to_device(make_latent_batch(query_lens, [21, 0, 40], ODD, torch.float32,
                                         budget, page_size=16, strided=True))
     mask = padded_tree_mask(trees, max(query_lens) + 3, budget).to(DEVICE)
-    out, lse = run_kernel(batch, pack_tree_mask(mask) if packed else mask, prefix=True)
+    out, lse = run_kernel(batch, pack_tree_mask(mask) if packed else mask, prefix)
     for name in ("q_absorbed", "q_pe", "kv_cache"):
         setattr(batch, name, getattr(batch, name).cpu())
     assert_matches_expanded_oracle(batch, trees, out, lse)
@@ -70,7 +74,7 @@ def test_tree_keys_alone_and_the_kimi_latent(dtype):
     batch = to_device(make_latent_batch(query_lens, [64, 7], dims, dtype, 5, page_size=64))
     mask = pack_tree_mask(padded_tree_mask(trees, max(query_lens), 5)).to(DEVICE)
     tol = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
-    for prefix, keys in [(False, "tree"), (True, "all")]:
+    for prefix, keys in [("none", "tree"), ("given", "all"), ("computed", "all")]:
         out, lse = run_kernel(batch, mask, prefix)
         want_out, want_lse = batch.run(mask, keys=keys)
         torch.testing.assert_close(out.float(), want_out.float().cpu(), atol=tol, rtol=tol)
@@ -79,10 +83,11 @@ def test_tree_keys_alone_and_the_kimi_latent(dtype):
 
 def test_no_mask_is_a_chain():
     batch = to_device(make_latent_batch([4, 2], [5, 3], ODD, torch.float32, 3))
-    out, lse = run_kernel(batch, None, prefix=True)
     want_out, want_lse = batch.run(None)
-    torch.testing.assert_close(out, want_out.cpu(), atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(lse, want_lse.cpu(), atol=2e-5, rtol=2e-5)
+    for prefix in ("given", "computed"):
+        out, lse = run_kernel(batch, None, prefix)
+        torch.testing.assert_close(out, want_out.cpu(), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse, want_lse.cpu(), atol=2e-5, rtol=2e-5)
 
 
 def test_mismatched_prefix_arguments_are_refused():
@@ -92,3 +97,7 @@ def test_mismatched_prefix_arguments_are_refused():
         mla_tree_attention_triton(batch.q_absorbed, batch.q_pe, batch.kv_cache,
                                   batch.block_table, batch.seq_lens, batch.query_start_loc,
                                   None, 1.0, prefix_out=out)
+    with pytest.raises(ValueError, match="keys"):
+        mla_tree_attention_triton(batch.q_absorbed, batch.q_pe, batch.kv_cache,
+                                  batch.block_table, batch.seq_lens, batch.query_start_loc,
+                                  None, 1.0, "tree", out, torch.zeros(ODD.num_heads, 4))

@@ -1,6 +1,6 @@
 """DDTree's attention backends: subclasses of vLLM's that attend tree rows under their
 ancestor masks (``cpu.py``: CPU_ATTN; ``cpu_mla.py``: CPU_MLA; ``cuda.py``: FLASH_ATTN
-and TRITON_ATTN), the metadata hook they share (``common.py``) and the step's published
+and TRITON_ATTN; ``cuda_mla.py``: TRITON_MLA), the metadata hook they share (``common.py``) and the step's published
 tree (``state.py``).
 """
 
@@ -32,6 +32,7 @@ def register_backends(device) -> None:
         "cuda": {
             AttentionBackendEnum.FLASH_ATTN: "cuda.DDTreeFlashAttentionBackend",
             AttentionBackendEnum.TRITON_ATTN: "cuda.DDTreeTritonAttentionBackend",
+            AttentionBackendEnum.TRITON_MLA: "cuda_mla.DDTreeTritonMLABackend",
         },
     }.get(torch.device(device).type)
     if overrides is None:

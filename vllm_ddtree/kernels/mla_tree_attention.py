@@ -1,11 +1,12 @@
 """Tree attention for MLA verify rows in Triton, over the latent cache.
 
-The tree half of the MLA tree path on CUDA: the backend's own decode kernel attends
-each verify row to its request's prefix (non-causal, with its LSE), and this kernel
-resumes that softmax over the row's tree ancestors among the verify keys, so the
-result is the row's attention over prefix and ancestors. Without a prefix result it
-attends the ancestors alone. Its torch twin is ``ops/mla_attention.mla_tree_attention``
-(``keys="all"`` with a prefix result, ``keys="tree"`` without); the cache layout, the
+Each verify row's absorbed MLA attention over its request's prefix and its tree
+ancestors among the verify keys (``keys="all"``), or over the ancestors alone
+(``keys="tree"``). With ``keys="all"`` the prefix is either attended here or given:
+another kernel (a backend's decode pass, non-causal over the prefix, with its LSE)
+has already written it, and this kernel resumes that softmax over the tree keys.
+Without a mask the verify block is causal (a chain, or decode rows without a tree).
+Its torch twin is ``ops/mla_attention.mla_tree_attention``; the cache layout, the
 absorbed queries, the verify rows and the mask mean what they mean there.
 
 Kernel design (one program per verify row x block of heads):
@@ -13,9 +14,10 @@ Kernel design (one program per verify row x block of heads):
   ``BLOCK_H`` heads' queries (``kv_lora_rank`` + ``rope_dim`` wide) and each key tile
   it loads feeds all of them through one ``tl.dot``; the latent ``kv_c`` is the key's
   no-rope part and the value both.
-- Keys are the request's verify tokens only (at most budget + 1), ``BLOCK_N`` at a
-  time; a key is seen iff its bit in the row's packed ancestor mask is set (``j <= i``
-  without a mask).
+- Prefix keys (``keys="all"``, no prefix given) are all seen, ``BLOCK_N`` at a time;
+  then the request's verify tokens (at most budget + 1), a key seen iff its bit in the
+  row's packed ancestor mask is set (``j <= i`` without a mask). No split of long
+  prefixes yet: one program walks a row's whole prefix.
 - Prefix given: the softmax starts from the prefix's output and natural-log LSE
   (``m = lse``, ``l = 1``, ``acc = out``); an LSE of +inf (no prefix keys) starts it
   empty. Softmax in float32.
@@ -44,12 +46,13 @@ def mla_tree_attention_triton(
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     tree_mask: torch.Tensor | None,  # [num_reqs, max_q, max_q] bool, or packed int32
     scale: float,
+    keys: str = "all",  # "all": prefix and ancestors; "tree": ancestors alone
     prefix_out: torch.Tensor | None = None,  # [num_tokens, num_heads, kv_lora_rank]
     prefix_lse: torch.Tensor | None = None,  # [num_heads, >= num_tokens] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out like q_nope, lse [num_heads, num_tokens]
-    """Each verify row's latent attention over its tree ancestors, resumed from its
-    prefix attention when ``prefix_out`` and ``prefix_lse`` are given (then written
-    into ``prefix_out``, which is returned)."""
+    """Each verify row's latent attention (module docstring). With ``prefix_out`` and
+    ``prefix_lse`` (``keys="all"`` only) the prefix's attention is resumed, not
+    recomputed, and the result is written into them, which are returned."""
     require_triton_device(q_nope, "mla_tree_attention_triton", "mla_tree_attention")
     num_tokens, num_heads, rank = q_nope.shape
     rope = q_pe.shape[-1]
@@ -61,6 +64,9 @@ def mla_tree_attention_triton(
         )
     if (prefix_out is None) != (prefix_lse is None):
         raise ValueError("give both prefix_out and prefix_lse, or neither")
+    if keys not in ("all", "tree") or (keys == "tree" and prefix_out is not None):
+        raise ValueError(f"keys={keys!r}: expected 'all' (a prefix result may be given) "
+                         "or 'tree' (none)")
     num_reqs = seq_lens.shape[0]
     if tree_mask is not None and tree_mask.dtype == torch.bool:
         tree_mask = pack_tree_mask(tree_mask)
@@ -90,6 +96,7 @@ def mla_tree_attention_triton(
         ROPE=rope, ROPE_PAD=triton.next_power_of_2(rope),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=16,
         HAS_MASK=tree_mask is not None, PREFIX_GIVEN=prefix_out is not None,
+        PREFIX_KEYS=keys == "all" and prefix_out is None,
         DOT_PRECISION="tf32x3" if q_nope.dtype == torch.float32 else "tf32",
     )
     return out, lse
@@ -106,7 +113,8 @@ def _mla_tree_kernel(
     num_heads, num_reqs, scale,
     RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_MASK: tl.constexpr, PREFIX_GIVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, PREFIX_GIVEN: tl.constexpr, PREFIX_KEYS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -143,6 +151,15 @@ def _mla_tree_kernel(
         l_sum = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, RANK_PAD), tl.float32)
 
+    if PREFIX_KEYS:
+        for start in range(0, prefix_len, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            m, l_sum, acc = _attend_keys(
+                qn, qp, m, l_sum, acc, pos, pos < prefix_len, pos < prefix_len,
+                kv_ptr, block_table_ptr + req * bt_stride_r, kv_stride_b, kv_stride_s,
+                kv_stride_d, offs_r, offs_p, r_ok, p_ok, scale, RANK, PAGE_SIZE,
+                DOT_PRECISION)
+
     for start in range(0, num_queries, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < num_queries
@@ -152,25 +169,10 @@ def _mla_tree_kernel(
             seen = key_ok & (((words >> (keys % 32)) & 1) != 0)
         else:
             seen = key_ok & (keys <= row)
-        pos = prefix_len + keys
-        block = tl.load(block_table_ptr + req * bt_stride_r + pos // PAGE_SIZE, mask=key_ok,
-                        other=0)
-        base = kv_ptr + block.to(tl.int64) * kv_stride_b + (pos % PAGE_SIZE) * kv_stride_s
-        kv_c = tl.load(base[:, None] + offs_r[None, :] * kv_stride_d,
-                       mask=key_ok[:, None] & r_ok[None, :], other=0.0)
-        k_pe = tl.load(base[:, None] + (RANK + offs_p[None, :]) * kv_stride_d,
-                       mask=key_ok[:, None] & p_ok[None, :], other=0.0)
-        s = tl.dot(qn, tl.trans(kv_c), input_precision=DOT_PRECISION)
-        s = tl.dot(qp, tl.trans(k_pe), s, input_precision=DOT_PRECISION) * scale
-        s = tl.where(seen[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)  # exp(-inf) = 0 while nothing was seen
-        p = tl.exp(s - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(kv_c.dtype), kv_c, acc * alpha[:, None],
-                     input_precision=DOT_PRECISION)
-        m = m_new
+        m, l_sum, acc = _attend_keys(
+            qn, qp, m, l_sum, acc, prefix_len + keys, key_ok, seen,
+            kv_ptr, block_table_ptr + req * bt_stride_r, kv_stride_b, kv_stride_s,
+            kv_stride_d, offs_r, offs_p, r_ok, p_ok, scale, RANK, PAGE_SIZE, DOT_PRECISION)
 
     none = l_sum == 0.0
     result = acc / tl.where(none, 1.0, l_sum)[:, None]
@@ -178,3 +180,30 @@ def _mla_tree_kernel(
     tl.store(out_ptr + t * out_stride_t + heads[:, None] * out_stride_h + offs_r[None, :],
              result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & r_ok[None, :])
     tl.store(lse_ptr + heads * lse_stride_h + t, lse, mask=head_ok)
+
+
+@triton.jit
+def _attend_keys(
+    qn, qp, m, l_sum, acc, pos, key_ok, seen,
+    kv_ptr, block_table_row, kv_stride_b, kv_stride_s, kv_stride_d,
+    offs_r, offs_p, r_ok, p_ok, scale,
+    RANK: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One tile of keys at positions ``pos`` (loaded where ``key_ok``, attended where
+    ``seen``) folded into the online softmax ``(m, l_sum, acc)``."""
+    block = tl.load(block_table_row + pos // PAGE_SIZE, mask=key_ok, other=0)
+    base = kv_ptr + block.to(tl.int64) * kv_stride_b + (pos % PAGE_SIZE) * kv_stride_s
+    kv_c = tl.load(base[:, None] + offs_r[None, :] * kv_stride_d,
+                   mask=key_ok[:, None] & r_ok[None, :], other=0.0)
+    k_pe = tl.load(base[:, None] + (RANK + offs_p[None, :]) * kv_stride_d,
+                   mask=key_ok[:, None] & p_ok[None, :], other=0.0)
+    s = tl.dot(qn, tl.trans(kv_c), input_precision=DOT_PRECISION)
+    s = tl.dot(qp, tl.trans(k_pe), s, input_precision=DOT_PRECISION) * scale
+    s = tl.where(seen[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)  # exp(-inf) = 0 while nothing was seen
+    p = tl.exp(s - m_safe[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(kv_c.dtype), kv_c, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_sum, acc

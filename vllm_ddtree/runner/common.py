@@ -339,15 +339,16 @@ def _no_tree_backend_message(layer_name: str, backend: Any) -> str:
                f"{layer_name} uses {shown}, which has none. ")
     if callable(is_mla) and is_mla():
         return message + (
-            "DDTree's MLA backend is CPU_MLA (on CPUs with AMX, where vLLM picks "
-            "AMX_MLA, pass --attention-backend CPU_MLA). MLA on CUDA (FLASH_ATTN_MLA, "
-            "TRITON_MLA, FLASHMLA, FLASHINFER_MLA, CUTLASS_MLA) is not supported yet; "
+            "DDTree's MLA backends are TRITON_MLA on CUDA (fp16/bf16; pass "
+            "--attention-backend TRITON_MLA, since vLLM picks FLASH_ATTN_MLA or FLASHMLA "
+            "on Hopper, which have no tree path yet) and CPU_MLA on CPUs (on CPUs with "
+            "AMX, where vLLM picks AMX_MLA, pass --attention-backend CPU_MLA); "
             "VLLM_MLA_DISABLE=1 runs an MLA model as plain attention, which DDTree "
             "supports."
         )
     return message + (
-        "DDTree backends: CPU_ATTN and CPU_MLA on CPU, FLASH_ATTN and TRITON_ATTN on "
-        "CUDA (choose one with --attention-backend)."
+        "DDTree backends: CPU_ATTN and CPU_MLA on CPU, FLASH_ATTN, TRITON_ATTN and "
+        "TRITON_MLA on CUDA (choose one with --attention-backend)."
     )
 
 

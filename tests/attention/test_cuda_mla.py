@@ -1,0 +1,93 @@
+"""Tests for vllm_ddtree/attention/cuda_mla.py (TRITON_MLA): its decode rows through the
+MLA tree kernel (on the CPU under Triton's interpreter), its registration and the
+start-up message for the CUDA MLA backends without a tree path. Tree rows are checked
+against plain MLA of each node over its prefix and branch alone
+(tests/ops/test_mla_attention.py), the other decode rows against the twin in causal
+form. The backend in an engine needs the GPU (tests/gpu/)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.attention.test_cpu_mla import CudaMLABackend
+from tests.ops.test_attention_reference import padded_tree_mask
+from tests.ops.test_mla_attention import (
+    ODD,
+    expanded_branch_oracle,
+    make_latent_batch,
+    project,
+    random_trees,
+)
+from tests.runner.test_common import fake_runner
+from tests.triton_utils import DEVICE, needs_kernel
+from vllm_ddtree.attention.state import TreeAttentionInfo
+from vllm_ddtree.runner.common import check_tree_backends
+
+
+def tree_info(query_lens: list[int], trees: dict[int, list[int]], seed: int,
+              all_tree_rows: bool) -> TreeAttentionInfo:
+    """The step's tree: requests in ``trees`` carry one (their rows all tree rows)."""
+    width = max(query_lens)
+    mask = padded_tree_mask([trees.get(r, [-1]) for r in range(len(query_lens))], width,
+                            seed)
+    starts = torch.tensor([0, *query_lens]).cumsum(0)
+    info = TreeAttentionInfo(
+        tree_mask=mask, row_start=starts[:-1],
+        num_rows=torch.tensor([len(trees[r]) if r in trees else 0
+                               for r in range(len(query_lens))]),
+        tree_reqs=sorted(trees), all_rows_are_tree_rows=all_tree_rows)
+    info.prepare_for(DEVICE)
+    if DEVICE.type != "cuda":  # the CPU indexes tree rows always; the kernel needs none
+        info.rows = info.rows.to(DEVICE)
+    return info
+
+
+@needs_kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("all_tree_rows", [True, False])
+def test_tree_rows_are_plain_mla_per_branch_and_other_rows_causal(all_tree_rows):
+    from vllm_ddtree.attention.cuda_mla import decode_rows_attention
+
+    trees_list = random_trees([16, 7, 4], 15, seed=3)
+    if all_tree_rows:
+        trees = dict(enumerate(trees_list))
+    else:  # request 1 decodes 3 rows without a tree (a short prompt counted as a decode)
+        trees = {0: trees_list[0], 2: trees_list[2]}
+        trees_list[1] = [-1, 0, 1]
+    query_lens = [len(t) for t in trees_list]
+    batch = make_latent_batch(query_lens, [20, 33, 1], ODD, torch.float32, 3)
+    info = tree_info(query_lens, trees, 3, all_tree_rows)
+    out = decode_rows_attention(
+        batch.q_absorbed.to(DEVICE), batch.q_pe.to(DEVICE), batch.kv_cache.to(DEVICE),
+        batch.block_table.to(DEVICE), batch.seq_lens.to(DEVICE),
+        batch.query_start_loc.to(DEVICE), info, ODD.scale).cpu()
+    values = project(batch, out)
+    causal_out, _ = batch.run(None)
+    for r, parents in enumerate(trees_list):
+        first = int(batch.query_start_loc[r])
+        for node in range(len(parents)):
+            if r in trees:
+                want, _ = expanded_branch_oracle(batch, r, parents, node)
+                torch.testing.assert_close(values[first + node], want, atol=2e-5, rtol=2e-5)
+            else:
+                torch.testing.assert_close(out[first + node], causal_out[first + node],
+                                           atol=2e-5, rtol=2e-5)
+
+
+def test_triton_mla_is_registered_for_ddtree_engines():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_ddtree.attention import register_backends
+    from vllm_ddtree.attention.cuda_mla import DDTreeTritonMLABackend
+
+    register_backends("cuda")  # what a DDTree runner on CUDA does before building
+    assert AttentionBackendEnum.TRITON_MLA.get_class() is DDTreeTritonMLABackend
+    check_tree_backends(fake_runner({"model.layers.0.self_attn.attn":
+                                     DDTreeTritonMLABackend}))
+
+
+def test_mla_backends_without_trees_name_the_one_to_pick():
+    runner = fake_runner({"model.layers.0.self_attn.attn": CudaMLABackend})
+    with pytest.raises(NotImplementedError, match="--attention-backend TRITON_MLA"):
+        check_tree_backends(runner)

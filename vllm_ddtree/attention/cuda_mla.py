@@ -1,0 +1,156 @@
+"""Tree attention on vLLM's CUDA MLA backend TRITON_MLA.
+
+An MLA layer keeps one latent row per token, ``[num_blocks, block_size, kv_lora_rank
++ rope_dim]`` (576 wide for DeepSeek-V3 and Kimi K2), and vLLM's MLA layer sends decode
+rows to the backend's ``forward_mqa`` (absorbed MQA over the latent cache) and the
+others to ``forward_mha`` (prefill attention, causal).
+
+As on CPU_MLA (``cpu_mla.py``) the DDTree builder declares variable-length decodes,
+so vLLM's reorder threshold of ``1 + num_speculative_tokens`` sends every verify row
+to ``forward_mqa``, whatever size the step's trees are. TRITON_MLA's own decode
+kernel takes uniform decode blocks with causal extents only, so a DDTree engine's
+``forward_mqa`` runs every decode row through the plugin's MLA kernel
+(``kernels/mla_tree_attention.py``): tree rows over their prefix and ancestors, other
+decode rows (a decode without drafts, a short prompt counted as a decode) causal over
+their block. One launch when every row is a tree row (the steady state, which vLLM
+captures in full CUDA graphs: the kernel reads the persistent block tables, sequence
+lengths, query offsets and the runner's mask buffer, and finds each row's request on
+the device); otherwise a causal launch over the decode rows and a masked one over the
+tree rows.
+
+TRITON_MLA runs in fp16 and bf16 (vLLM's own limit); a quantized (fp8) latent cache
+is refused at the first decode, by name. FLASH_ATTN_MLA, FLASHMLA and the other CUDA
+MLA backends have no tree path yet: ``--attention-backend TRITON_MLA`` picks this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonDecodeMetadata,
+    MLACommonMetadata,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backends.mla.triton_mla import (
+    TritonMLABackend,
+    TritonMLAImpl,
+    TritonMLAMetadataBuilder,
+)
+
+from vllm_ddtree.attention.common import check_tree_support
+from vllm_ddtree.attention.cpu_mla import (
+    DDTreeCPUMLABackend,
+    check_tree_rows_are_decodes,
+)
+from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
+from vllm_ddtree.kernels.mla_tree_attention import mla_tree_attention_triton
+from vllm_ddtree.sync import step_phase
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+__all__ = ["DDTreeTritonMLABackend", "decode_rows_attention"]
+
+
+@dataclass
+class DDTreeMLAMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
+    tree: TreeAttentionInfo | None = None
+
+
+class DDTreeTritonMLAMetadataBuilder(TritonMLAMetadataBuilder):
+    """TRITON_MLA's builder with variable-length decodes (verify rows of any tree
+    size) and the step's published tree attached."""
+
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.metadata_cls = DDTreeMLAMetadata  # vLLM's MLA builder makes this class
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> DDTreeMLAMetadata:
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        tree = current_tree()
+        if tree is None or not tree.tree_reqs:
+            return metadata
+        tree.prepare_for(metadata.query_start_loc.device)
+        check_tree_rows_are_decodes(tree, metadata.num_decode_tokens)
+        metadata.tree = tree
+        return metadata
+
+
+def decode_rows_attention(
+    q_nope: torch.Tensor,  # [rows, heads, kv_lora_rank], W_UK absorbed
+    q_pe: torch.Tensor,  # [rows, heads, rope_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    block_table: torch.Tensor,  # [num_decodes, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_decodes] int32, query rows included
+    query_start_loc: torch.Tensor,  # [num_decodes + 1] int32, over the decode rows
+    tree: TreeAttentionInfo | None,
+    scale: float,
+) -> torch.Tensor:  # latent [rows, heads, kv_lora_rank]
+    """Every decode row's latent attention: tree rows over their prefix and tree
+    ancestors, the other rows causal over their request's block (module docstring)."""
+    if tree is not None and tree.all_rows_are_tree_rows:
+        num_reqs = tree.num_reqs
+        out, _ = mla_tree_attention_triton(
+            q_nope, q_pe, kv_cache, block_table[:num_reqs], seq_lens[:num_reqs],
+            query_start_loc[: num_reqs + 1], tree.packed_mask, scale)
+        return out
+    out, _ = mla_tree_attention_triton(q_nope, q_pe, kv_cache, block_table, seq_lens,
+                                       query_start_loc, None, scale)
+    if tree is not None:
+        reqs = tree.req_index
+        rows, _ = mla_tree_attention_triton(
+            q_nope[tree.rows], q_pe[tree.rows], kv_cache, block_table[reqs],
+            seq_lens[reqs], tree.rows_query_start_loc, tree.packed_mask[reqs], scale)
+        out[tree.rows] = rows
+    return out
+
+
+class DDTreeTritonMLAImpl(TritonMLAImpl):
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [rows, heads, rank | rope]
+        kv_c_and_k_pe_cache: torch.Tensor,  # [num_blocks, block_size, rank + rope]
+        attn_metadata: DDTreeMLAMetadata,
+        layer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # latent [rows, heads, rank], no LSE
+        if not getattr(self, "_ddtree_checked", False):
+            check_tree_support(self)  # a quantized latent cache stops here, by name
+            self._ddtree_checked = True
+        q_nope, q_pe = q if isinstance(q, tuple) else q.split(
+            [self.kv_lora_rank, q.shape[-1] - self.kv_lora_rank], dim=-1
+        )
+        num_decodes = attn_metadata.num_decodes
+        tree = getattr(attn_metadata, "tree", None)
+        with step_phase("ddtree.mla_tree_attention", q_nope.device):
+            out = decode_rows_attention(
+                q_nope, q_pe, kv_c_and_k_pe_cache, attn_metadata.decode.block_table,
+                attn_metadata.decode.seq_lens, attn_metadata.query_start_loc[: num_decodes + 1],
+                tree, self.scale,
+            )
+        return out, None
+
+
+class DDTreeTritonMLABackend(TritonMLABackend):
+    """TRITON_MLA plus ancestor-masked verify rows."""
+
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeTritonMLAImpl]:
+        return DDTreeTritonMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeTritonMLAMetadataBuilder]:
+        return DDTreeTritonMLAMetadataBuilder
+
+    # One latent row per slot, as on CPU_MLA: the same moves.
+    move_kv_slots = staticmethod(DDTreeCPUMLABackend.move_kv_slots)
+    move_kv_slots_layers = staticmethod(DDTreeCPUMLABackend.move_kv_slots_layers)
