@@ -45,8 +45,9 @@ def tree_info(query_lens: list[int], trees: dict[int, list[int]], seed: int,
 
 @needs_kernel
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_len", [None, 2048])
 @pytest.mark.parametrize("all_tree_rows", [True, False])
-def test_tree_rows_are_plain_mla_per_branch_and_other_rows_causal(all_tree_rows):
+def test_tree_rows_are_plain_mla_per_branch_and_other_rows_causal(all_tree_rows, max_len):
     from vllm_ddtree.attention.cuda_mla import decode_rows_attention
 
     trees_list = random_trees([16, 7, 4], 15, seed=3)
@@ -56,12 +57,12 @@ def test_tree_rows_are_plain_mla_per_branch_and_other_rows_causal(all_tree_rows)
         trees = {0: trees_list[0], 2: trees_list[2]}
         trees_list[1] = [-1, 0, 1]
     query_lens = [len(t) for t in trees_list]
-    batch = make_latent_batch(query_lens, [20, 33, 1], ODD, torch.float32, 3)
+    batch = make_latent_batch(query_lens, [20, 300, 1], ODD, torch.float32, 3)
     info = tree_info(query_lens, trees, 3, all_tree_rows)
     out = decode_rows_attention(
         batch.q_absorbed.to(DEVICE), batch.q_pe.to(DEVICE), batch.kv_cache.to(DEVICE),
         batch.block_table.to(DEVICE), batch.seq_lens.to(DEVICE),
-        batch.query_start_loc.to(DEVICE), info, ODD.scale).cpu()
+        batch.query_start_loc.to(DEVICE), info, ODD.scale, max_len).cpu()
     values = project(batch, out)
     causal_out, _ = batch.run(None)
     for r, parents in enumerate(trees_list):

@@ -32,16 +32,17 @@ def to_device(batch):
     return batch
 
 
-def run_kernel(batch, mask, prefix: str):
+def run_kernel(batch, mask, prefix: str, max_seq_len: int | None = None):
     """prefix: "given" (the twin's prefix pass, resumed), "computed" (attended by the
-    kernel) or "none" (the tree keys alone)."""
+    kernel) or "none" (the tree keys alone); ``max_seq_len`` lets the kernel split long
+    prefixes."""
     prefix_out = prefix_lse = None
     if prefix == "given":
         prefix_out, prefix_lse = batch.run(None, keys="prefix")
     out, lse = mla_tree_attention_triton(
         batch.q_absorbed, batch.q_pe, batch.kv_cache, batch.block_table, batch.seq_lens,
         batch.query_start_loc, mask, batch.dims.scale, "tree" if prefix == "none" else "all",
-        prefix_out, prefix_lse)
+        prefix_out, prefix_lse, max_seq_len)
     return out.cpu(), lse.cpu()
 
 
@@ -79,6 +80,25 @@ def test_tree_keys_alone_and_the_kimi_latent(dtype):
         want_out, want_lse = batch.run(mask, keys=keys)
         torch.testing.assert_close(out.float(), want_out.float().cpu(), atol=tol, rtol=tol)
         torch.testing.assert_close(lse, want_lse.cpu(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("max_seq_len", [None, 1024, 8192])
+def test_split_prefixes_merge_to_one_pass(max_seq_len):
+    """A long prefix cut into KV splits (none without a bound, some, more than the
+    prefix has tiles: empty splits), the tree keys in the last split, merged by LSE."""
+    from vllm_ddtree.kernels.mla_tree_attention import choose_mla_splits
+
+    trees = random_trees([17, 5, 8], 15, seed=11)
+    query_lens = [len(t) for t in trees]
+    batch = to_device(make_latent_batch(query_lens, [700, 0, 1], ODD, torch.float32, 11,
+                                        page_size=16, strided=True))
+    mask = padded_tree_mask(trees, max(query_lens), 11).to(DEVICE)
+    splits = choose_mla_splits(batch.q_pe.shape[0], max_seq_len, DEVICE, 16)
+    assert (splits > 1) == (max_seq_len is not None)
+    out, lse = run_kernel(batch, mask, "computed", max_seq_len)
+    for name in ("q_absorbed", "q_pe", "kv_cache"):
+        setattr(batch, name, getattr(batch, name).cpu())
+    assert_matches_expanded_oracle(batch, trees, out, lse)
 
 
 def test_no_mask_is_a_chain():

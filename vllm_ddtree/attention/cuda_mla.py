@@ -10,9 +10,9 @@ so vLLM's reorder threshold of ``1 + num_speculative_tokens`` sends every verify
 to ``forward_mqa``, whatever size the step's trees are. TRITON_MLA's own decode
 kernel takes uniform decode blocks with causal extents only, so a DDTree engine's
 ``forward_mqa`` runs every decode row through the plugin's MLA kernel
-(``kernels/mla_tree_attention.py``): tree rows over their prefix and ancestors, other
-decode rows (a decode without drafts, a short prompt counted as a decode) causal over
-their block. One launch when every row is a tree row (the steady state, which vLLM
+(``kernels/mla_tree_attention.py``, long prefixes split over the SMs): tree rows over
+their prefix and ancestors, other decode rows (a decode without drafts, a short prompt
+counted as a decode) causal over their block. One launch when every row is a tree row (the steady state, which vLLM
 captures in full CUDA graphs: the kernel reads the persistent block tables, sequence
 lengths, query offsets and the runner's mask buffer, and finds each row's request on
 the device); otherwise a causal launch over the decode rows and a masked one over the
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from vllm.config.vllm import get_current_vllm_config_or_none
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonDecodeMetadata,
     MLACommonMetadata,
@@ -95,6 +96,7 @@ def decode_rows_attention(
     query_start_loc: torch.Tensor,  # [num_decodes + 1] int32, over the decode rows
     tree: TreeAttentionInfo | None,
     scale: float,
+    max_seq_len: int | None = None,  # the model's: KV splits fixed for every step
 ) -> torch.Tensor:  # latent [rows, heads, kv_lora_rank]
     """Every decode row's latent attention: tree rows over their prefix and tree
     ancestors, the other rows causal over their request's block (module docstring)."""
@@ -102,20 +104,29 @@ def decode_rows_attention(
         num_reqs = tree.num_reqs
         out, _ = mla_tree_attention_triton(
             q_nope, q_pe, kv_cache, block_table[:num_reqs], seq_lens[:num_reqs],
-            query_start_loc[: num_reqs + 1], tree.packed_mask, scale)
+            query_start_loc[: num_reqs + 1], tree.packed_mask, scale,
+            max_seq_len=max_seq_len)
         return out
     out, _ = mla_tree_attention_triton(q_nope, q_pe, kv_cache, block_table, seq_lens,
-                                       query_start_loc, None, scale)
+                                       query_start_loc, None, scale, max_seq_len=max_seq_len)
     if tree is not None:
         reqs = tree.req_index
         rows, _ = mla_tree_attention_triton(
             q_nope[tree.rows], q_pe[tree.rows], kv_cache, block_table[reqs],
-            seq_lens[reqs], tree.rows_query_start_loc, tree.packed_mask[reqs], scale)
+            seq_lens[reqs], tree.rows_query_start_loc, tree.packed_mask[reqs], scale,
+            max_seq_len=max_seq_len)
         out[tree.rows] = rows
     return out
 
 
 class DDTreeTritonMLAImpl(TritonMLAImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        config = get_current_vllm_config_or_none()
+        # The kernel's KV splits are sized by the model's length, the same at graph
+        # capture and at every step.
+        self._ddtree_max_len = config.model_config.max_model_len if config else None
+
     def forward_mqa(
         self,
         q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [rows, heads, rank | rope]
@@ -135,7 +146,7 @@ class DDTreeTritonMLAImpl(TritonMLAImpl):
             out = decode_rows_attention(
                 q_nope, q_pe, kv_c_and_k_pe_cache, attn_metadata.decode.block_table,
                 attn_metadata.decode.seq_lens, attn_metadata.query_start_loc[: num_decodes + 1],
-                tree, self.scale,
+                tree, self.scale, self._ddtree_max_len,
             )
         return out, None
 

@@ -16,8 +16,13 @@ Kernel design (one program per verify row x block of heads):
   no-rope part and the value both.
 - Prefix keys (``keys="all"``, no prefix given) are all seen, ``BLOCK_N`` at a time;
   then the request's verify tokens (at most budget + 1), a key seen iff its bit in the
-  row's packed ancestor mask is set (``j <= i`` without a mask). No split of long
-  prefixes yet: one program walks a row's whole prefix.
+  row's packed ancestor mask is set (``j <= i`` without a mask).
+- Split-KV (flash-decoding) when rows x head blocks cannot fill the SMs and the prefix
+  is long (``max_seq_len``): grid axis 2 cuts each row's prefix into ``num_splits``
+  chunks, the last split also takes the tree keys, and every split writes
+  ``(o / l, lse in log2 units)`` in float32 for ``merge_splits`` (merge_splits.py).
+  The chunks are cut from each request's own prefix length on the device, so any
+  split count is exact: a CUDA graph captured at one count replays correctly.
 - Prefix given: the softmax starts from the prefix's output and natural-log LSE
   (``m = lse``, ``l = 1``, ``acc = out``); an LSE of +inf (no prefix keys) starts it
   empty. Softmax in float32.
@@ -32,6 +37,8 @@ import triton
 import triton.language as tl
 
 from vllm_ddtree.kernels.device import require_triton_device
+from vllm_ddtree.kernels.merge_splits import merge_splits
+from vllm_ddtree.kernels.tree_attention_plan import sm_count
 from vllm_ddtree.tensors import pack_tree_mask
 
 __all__ = ["mla_tree_attention_triton"]
@@ -49,6 +56,7 @@ def mla_tree_attention_triton(
     keys: str = "all",  # "all": prefix and ancestors; "tree": ancestors alone
     prefix_out: torch.Tensor | None = None,  # [num_tokens, num_heads, kv_lora_rank]
     prefix_lse: torch.Tensor | None = None,  # [num_heads, >= num_tokens] float32
+    max_seq_len: int | None = None,  # bound on seq_lens: sizes the KV splits
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out like q_nope, lse [num_heads, num_tokens]
     """Each verify row's latent attention (module docstring). With ``prefix_out`` and
     ``prefix_lse`` (``keys="all"`` only) the prefix's attention is resumed, not
@@ -80,11 +88,23 @@ def mla_tree_attention_triton(
     rows = torch.arange(num_tokens, device=q_nope.device, dtype=query_start_loc.dtype)
     token_req = torch.searchsorted(query_start_loc[1:].contiguous(), rows, right=True)
     mask = tree_mask if tree_mask is not None else token_req  # unread without a mask
-    block_h = 16
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    block_h, block_n = 16, 16
+    head_blocks = triton.cdiv(num_heads, block_h)
+    prefix_keys = keys == "all" and prefix_out is None
+    num_splits = choose_mla_splits(num_tokens * head_blocks, max_seq_len, q_nope.device,
+                                   block_n) if prefix_keys else 1
+    part_out = part_lse = None
+    if num_splits > 1:
+        part_out = torch.empty(num_splits, num_tokens, num_heads, rank, dtype=torch.float32,
+                               device=q_nope.device)
+        # Padding rows are never written: no keys (-inf) for the LSE over the splits.
+        part_lse = torch.full((num_splits, num_tokens, num_heads), float("-inf"),
+                              dtype=torch.float32, device=q_nope.device)
+    grid = (num_tokens, head_blocks, num_splits)
     _mla_tree_kernel[grid](
         q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, token_req, mask,
-        out, lse,
+        out, lse, part_out if part_out is not None else out,
+        part_lse if part_lse is not None else lse,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0),
@@ -94,18 +114,36 @@ def mla_tree_attention_triton(
         num_heads, num_reqs, scale,
         RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
         ROPE=rope, ROPE_PAD=triton.next_power_of_2(rope),
-        PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=16,
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_MASK=tree_mask is not None, PREFIX_GIVEN=prefix_out is not None,
-        PREFIX_KEYS=keys == "all" and prefix_out is None,
+        PREFIX_KEYS=prefix_keys, SPLIT=num_splits > 1,
         DOT_PRECISION="tf32x3" if q_nope.dtype == torch.float32 else "tf32",
     )
+    if num_splits > 1:
+        merge_splits(out, part_out, part_lse, query_start_loc)
+        # The LSE over every split, natural log; a row that saw no key: +inf.
+        lse = torch.logsumexp(part_lse * LN2, dim=0).T.contiguous()
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     return out, lse
+
+
+LN2 = 0.6931471805599453
+
+
+def choose_mla_splits(programs: int, max_seq_len: int | None, device: torch.device,
+                      block_n: int) -> int:
+    """KV splits per row: enough programs for two waves over the SMs, none shorter than
+    16 key tiles; 1 without a bound on the prefix."""
+    if not max_seq_len:
+        return 1
+    wanted = triton.cdiv(2 * sm_count(device), max(1, programs))
+    return max(1, min(wanted, max_seq_len // (16 * block_n), 64))
 
 
 @triton.jit
 def _mla_tree_kernel(
     q_nope_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, token_req_ptr,
-    mask_ptr, out_ptr, lse_ptr,
+    mask_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     qn_stride_t, qn_stride_h, qp_stride_t, qp_stride_h,
     kv_stride_b, kv_stride_s, kv_stride_d,
     bt_stride_r, mask_stride_r, mask_stride_i,
@@ -114,9 +152,11 @@ def _mla_tree_kernel(
     RANK: tl.constexpr, RANK_PAD: tl.constexpr, ROPE: tl.constexpr, ROPE_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, PREFIX_GIVEN: tl.constexpr, PREFIX_KEYS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     req = tl.load(token_req_ptr + t)
     real = req < num_reqs  # padding rows: no keys, nothing stored
@@ -152,15 +192,21 @@ def _mla_tree_kernel(
         acc = tl.zeros((BLOCK_H, RANK_PAD), tl.float32)
 
     if PREFIX_KEYS:
-        for start in range(0, prefix_len, BLOCK_N):
+        # This split's chunk of the prefix, whole key tiles each.
+        chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(split * chunk, prefix_len)
+        hi = tl.minimum(lo + chunk, prefix_len)
+        for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             m, l_sum, acc = _attend_keys(
-                qn, qp, m, l_sum, acc, pos, pos < prefix_len, pos < prefix_len,
+                qn, qp, m, l_sum, acc, pos, pos < hi, pos < hi,
                 kv_ptr, block_table_ptr + req * bt_stride_r, kv_stride_b, kv_stride_s,
                 kv_stride_d, offs_r, offs_p, r_ok, p_ok, scale, RANK, PAGE_SIZE,
                 DOT_PRECISION)
 
-    for start in range(0, num_queries, BLOCK_N):
+    # The tree keys go to the last split.
+    tree_keys = tl.where(split == num_splits - 1, num_queries, 0)
+    for start in range(0, tree_keys, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < num_queries
         if HAS_MASK:
@@ -176,10 +222,19 @@ def _mla_tree_kernel(
 
     none = l_sum == 0.0
     result = acc / tl.where(none, 1.0, l_sum)[:, None]
-    lse = tl.where(none, float("inf"), m + tl.log(tl.where(none, 1.0, l_sum)))
-    tl.store(out_ptr + t * out_stride_t + heads[:, None] * out_stride_h + offs_r[None, :],
-             result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & r_ok[None, :])
-    tl.store(lse_ptr + heads * lse_stride_h + t, lse, mask=head_ok)
+    lse = m + tl.log(tl.where(none, 1.0, l_sum))
+    if SPLIT:  # partial results for merge_splits: [split, token, head(, rank)], log2 LSE
+        part_row = (split * tl.num_programs(0) + t).to(tl.int64) * num_heads + heads
+        tl.store(part_out_ptr + part_row[:, None] * RANK + offs_r[None, :], result,
+                 mask=head_ok[:, None] & r_ok[None, :])
+        tl.store(part_lse_ptr + part_row, tl.where(none, float("-inf"), lse * 1.4426950408889634),
+                 mask=head_ok)
+    else:
+        tl.store(out_ptr + t * out_stride_t + heads[:, None] * out_stride_h
+                 + offs_r[None, :], result.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & r_ok[None, :])
+        tl.store(lse_ptr + heads * lse_stride_h + t, tl.where(none, float("inf"), lse),
+                 mask=head_ok)
 
 
 @triton.jit
