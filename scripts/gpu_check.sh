@@ -2,11 +2,11 @@
 # Device side of the GPU checks, run on the lent H200 from the repository root in the
 # call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md; build the kit
 # here with scripts/gpu_kit.sh, whose chunks fit a call beside the repository):
-#   bash scripts/gpu_check.sh [tests|bench|all|profile|e2e|sets|serving|soak|soak-replay] [extra pytest args]
+#   bash scripts/gpu_check.sh [tests|bench|mla-bench|all|profile|e2e|sets|serving|soak|soak-replay] [extra pytest args]
 # (GPU_TESTS names the test files, default the V1 and V2 e2e tests and the V2 interface; E2E_STEM the e2e
 # results' file name.)
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
-# the step-cost benchmark (BENCH_ARGS) or its profile (PROFILE_ARGS; PROFILE_PAIR=real for
+# the step-cost benchmark (BENCH_ARGS), the MLA tree kernel's (mla-bench) or its profile (PROFILE_ARGS; PROFILE_PAIR=real for
 # the real pair), and keeps logs and results under $OUT (or
 # ./gpu-out). `e2e` runs benchmarks/bench_e2e.py (E2E_ARGS) on the real pair: the
 # SmolLM2 target converted from its GGUF, whose first chunk an earlier warm call
@@ -50,6 +50,13 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_gpu_step.py --out "$out/gpu_step.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v "^INFO\|^(EngineCore" | tail -40
   brc=${PIPESTATUS[0]}; echo "bench exit code: $brc"; [ "$rc" = 0 ] && rc=$brc
+fi
+if [ "$what" = mla-bench ]; then
+  # The MLA tree kernel against TRITON_MLA's decode kernel (MLA_BENCH_ARGS).
+  timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_mla_attention.py --check \
+    --out "$out/mla_attention.json" ${MLA_BENCH_ARGS:-} 2>&1 | tee "$out/mla_bench.log" \
+    | grep -v "^INFO\|^(EngineCore" | tail -60
+  rc=${PIPESTATUS[0]}; echo "mla-bench exit code: $rc"
 fi
 # The SmolLM2 target, converted from its GGUF (first chunk stashed by an earlier warm
 # call, second chunk, checksum and gguf wheel carried by this one); prints its directory.

@@ -1,0 +1,205 @@
+"""MLA tree attention (Triton) against the backend's causal decode for the same rows.
+
+For every (context, batch, budget): each request has a prefix of ``context`` tokens and
+budget + 1 verify rows, absorbed MLA over one latent cache (Kimi K2 / DeepSeek-V3
+widths by default: 64 heads, latent 512 + rope 64, bf16, paged). Timed as CUDA-graph
+replays (median ms):
+
+- tree:   vllm_ddtree.kernels.mla_tree_attention, random trees (depth <= 15) in the
+          plugin's preorder layout, split over the SMs as TRITON_MLA's DDTree engine
+          runs it (``--max-len`` sizes the splits, as the model's length does there);
+- decode: what TRITON_MLA runs for a chain of the same rows, vLLM's
+          ``decode_attention_fwd`` with per-row causal extents (``--no-decode`` skips it,
+          and it is skipped where vLLM's Triton kernels are not importable).
+
+``--check`` also compares the tree kernel with its torch twin
+(ops/mla_attention.mla_tree_attention) on every case, largest absolute difference in
+the table. Prints a table and writes JSON (``--out``). The issue's bar: tree <= 1.2x
+decode, median over contexts 1K-32K.
+
+    python benchmarks/bench_mla_attention.py --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_tree_attention import bench, int_list, random_tree_mask
+
+from vllm_ddtree.kernels.mla_tree_attention import mla_tree_attention_triton
+from vllm_ddtree.ops.mla_attention import mla_tree_attention
+from vllm_ddtree.tensors import pack_tree_mask
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", type=int_list, default=[1024, 4096, 16384, 32768])
+    p.add_argument("--batches", type=int_list, default=[1, 8])
+    p.add_argument("--budgets", type=int_list, default=[16, 64, 256, 512])
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--rank", type=int, default=512, help="kv_lora_rank")
+    p.add_argument("--rope", type=int, default=64, help="qk_rope_head_dim")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-depth", type=int, default=15)
+    p.add_argument("--max-len", type=int, default=32768 + 1024,
+                   help="the model length the tree kernel sizes its KV splits by")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--check", action="store_true", help="compare with the torch twin")
+    p.add_argument("--no-decode", action="store_true", help="skip vLLM's decode kernel")
+    p.add_argument("--rep-ms", type=int, default=30)
+    p.add_argument("--out", default="benchmarks/results/mla_attention.json")
+    return p.parse_args(argv)
+
+
+def load_decode():
+    """vLLM's Triton MLA decode kernel (TRITON_MLA's forward_mqa), or None."""
+    try:
+        from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+    except Exception as exc:  # noqa: BLE001 (any import failure: time without it)
+        print(f"  (vLLM's decode_attention_fwd unavailable: {type(exc).__name__}: {exc})")
+        return None
+    return decode_attention_fwd
+
+
+def decode_splits(seq_len: int) -> int:
+    """TRITON_MLA's KV-split count for this length (its own rule where importable)."""
+    try:
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits
+    except Exception:  # noqa: BLE001
+        return 16
+    return _compute_num_kv_splits(seq_len, current_platform.num_compute_units())
+
+
+class Case:
+    """A paged latent cache for ``batch`` requests of ``context + n`` tokens each."""
+
+    def __init__(self, args, context: int, batch: int, n: int, seed: int) -> None:
+        dev, dtype = "cuda", getattr(torch, args.dtype)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        page, width = args.page_size, args.rank + args.rope
+        seq = context + n
+        pages = -(-seq // page)
+        self.kv_cache = torch.randn(batch * pages, page, width, device=dev, dtype=dtype,
+                                    generator=gen)
+        self.block_table = torch.randperm(batch * pages, device=dev, generator=gen,
+                                          dtype=torch.int32).view(batch, pages)
+        self.seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev)
+        self.q_nope = torch.randn(batch * n, args.heads, args.rank, device=dev, dtype=dtype,
+                                  generator=gen) * 0.1
+        self.q_pe = torch.randn(batch * n, args.heads, args.rope, device=dev, dtype=dtype,
+                                generator=gen) * 0.1
+        mask = random_tree_mask(n, args.max_depth, seed).to(dev)
+        self.mask = mask[None].expand(batch, n, n).contiguous()
+        self.packed = pack_tree_mask(self.mask)
+        self.scale = (128 + args.rope) ** -0.5  # nope 128 + rope, as Kimi K2 and DSV3
+        self.n, self.batch = n, batch
+
+    def tree(self, max_len: int):
+        return mla_tree_attention_triton(
+            self.q_nope, self.q_pe, self.kv_cache, self.block_table, self.seq_lens,
+            self.qsl, self.packed, self.scale, max_seq_len=max_len)[0]
+
+    def decode_call(self, decode, args):
+        """TRITON_MLA's call for a causal chain of the same rows: one row per query,
+        its extent up to itself."""
+        n, rows = self.n, self.batch * self.n
+        block_table = self.block_table.repeat_interleave(n, dim=0)
+        offsets = torch.arange(1 - n, 1, device="cuda", dtype=torch.int32)
+        seq_lens = (self.seq_lens[:, None] + offsets).flatten()
+        q = torch.cat([self.q_nope, self.q_pe], dim=-1)
+        out = torch.empty(rows, args.heads, args.rank, device="cuda", dtype=q.dtype)
+        lse = torch.empty(rows, args.heads, device="cuda", dtype=q.dtype)
+        splits = decode_splits(int(self.seq_lens[0]))
+        logits = torch.empty(rows, args.heads, splits, args.rank + 1, device="cuda",
+                             dtype=torch.float32)
+        cache = self.kv_cache.unsqueeze(2)
+        one = torch.ones((), device="cuda")
+
+        def call():
+            decode(q, cache, cache[..., : args.rank], out, lse, block_table, seq_lens,
+                   logits, splits, self.scale, args.page_size, k_scale=one, v_scale=one,
+                   is_mla=True)
+
+        return call
+
+
+def run(args) -> list[dict]:
+    decode = None if args.no_decode else load_decode()
+    rows = []
+    print(f"{'context':>7} {'batch':>5} {'budget':>6} {'tree ms':>8} {'decode ms':>9} "
+          f"{'ratio':>6} {'max |diff|':>10}")
+    for context in args.contexts:
+        for batch in args.batches:
+            for budget in args.budgets:
+                case = Case(args, context, batch, budget + 1, seed=budget)
+                row = {"context": context, "batch": batch, "budget": budget,
+                       "tree_ms": bench(lambda c=case: c.tree(args.max_len), args.rep_ms)}
+                if decode is not None:
+                    row["decode_ms"] = bench(case.decode_call(decode, args), args.rep_ms)
+                    row["ratio"] = row["tree_ms"] / row["decode_ms"]
+                if args.check:
+                    want, _ = mla_tree_attention(case.q_nope, case.q_pe, case.kv_cache,
+                                                 case.block_table, case.seq_lens, case.qsl,
+                                                 case.mask, case.scale)
+                    row["max_abs_diff"] = float(
+                        (case.tree(args.max_len).float() - want.float()).abs().max())
+                rows.append(row)
+                print(f"{context:>7} {batch:>5} {budget:>6} {row['tree_ms']:>8.3f} "
+                      f"{row.get('decode_ms', float('nan')):>9.3f} "
+                      f"{row.get('ratio', float('nan')):>6.2f} "
+                      f"{row.get('max_abs_diff', float('nan')):>10.2e}", flush=True)
+                save(args, rows)  # partial results survive a timeout
+                del case
+                torch.cuda.empty_cache()
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """Median tree / decode ratio over the measured cases, overall and per budget."""
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    if not ratios:
+        return {}
+    per_budget = {}
+    for budget in sorted({r["budget"] for r in rows}):
+        values = [r["ratio"] for r in rows if r["budget"] == budget and "ratio" in r]
+        per_budget[str(budget)] = statistics.median(values)
+    return {"median_ratio": statistics.median(ratios), "median_ratio_by_budget": per_budget}
+
+
+def save(args, rows: list[dict]) -> None:
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "heads": args.heads, "rank": args.rank, "rope": args.rope,
+        "page_size": args.page_size, "dtype": args.dtype, "max_len": args.max_len,
+        "timing": "median CUDA-graph replay (ms)", "results": rows,
+        "summary": summary(rows),
+    }, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_mla_attention needs a CUDA GPU")
+    started = time.time()
+    print(f"device {torch.cuda.get_device_name()}  heads {args.heads}  latent "
+          f"{args.rank}+{args.rope}  {args.dtype}  page {args.page_size}")
+    rows = run(args)
+    print(f"summary ({time.time() - started:.0f} s): {summary(rows)}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
