@@ -368,7 +368,7 @@ class CudaMLABackend:
 
     @staticmethod
     def get_name() -> str:
-        return "FLASH_ATTN_MLA"
+        return "FLASHMLA"
 
     @staticmethod
     def is_mla() -> bool:

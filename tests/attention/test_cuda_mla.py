@@ -23,6 +23,7 @@ from tests.runner.test_common import fake_runner
 from tests.triton_utils import DEVICE, needs_kernel
 from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.runner.common import check_tree_backends
+from vllm_ddtree.tensors import pack_tree_mask
 
 
 def tree_info(query_lens: list[int], trees: dict[int, list[int]], seed: int,
@@ -76,16 +77,65 @@ def test_tree_rows_are_plain_mla_per_branch_and_other_rows_causal(all_tree_rows,
                                            atol=2e-5, rtol=2e-5)
 
 
-def test_triton_mla_is_registered_for_ddtree_engines():
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+def test_cuda_mla_backends_are_registered_for_ddtree_engines():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as Enum
 
     from vllm_ddtree.attention import register_backends
     from vllm_ddtree.attention.cuda_mla import DDTreeTritonMLABackend
 
     register_backends("cuda")  # what a DDTree runner on CUDA does before building
-    assert AttentionBackendEnum.TRITON_MLA.get_class() is DDTreeTritonMLABackend
-    check_tree_backends(fake_runner({"model.layers.0.self_attn.attn":
-                                     DDTreeTritonMLABackend}))
+    try:
+        assert Enum.TRITON_MLA.get_class() is DDTreeTritonMLABackend
+        # FlashAttention's bindings exist on CUDA builds only: the path, not the class.
+        assert Enum.FLASH_ATTN_MLA.get_path() == (
+            "vllm_ddtree.attention.cuda_flash_mla.DDTreeFlashAttnMLABackend")
+        check_tree_backends(fake_runner({"model.layers.0.self_attn.attn":
+                                         DDTreeTritonMLABackend}))
+    finally:
+        for enum in (Enum.FLASH_ATTN, Enum.TRITON_ATTN, Enum.TRITON_MLA, Enum.FLASH_ATTN_MLA):
+            enum.clear_override()
+
+
+def fake_flash_attn(batch):
+    """FlashAttention 3's MLA call (q = rope part, k = k_pe, v = kv_c, q_v = absorbed
+    no-rope part) computed by the twin over ``seqused_k`` keys of each request, non-causal
+    only; returns (out, LSE [heads, rows]) as FlashAttention does."""
+    from vllm_ddtree.ops.mla_attention import mla_tree_attention
+
+    def call(*, q, k, v, q_v, cu_seqlens_q, seqused_k, block_table, softmax_scale, causal,
+             return_softmax_lse, **_):
+        assert not causal and return_softmax_lse
+        assert k.shape[-1] == ODD.rope_dim and v.shape[-1] == ODD.kv_lora_rank
+        cache = torch.cat([v[..., 0, :], k[..., 0, :]], dim=-1)
+        # The twin's prefix pass over seq_lens - rows keys: seqused_k exactly.
+        seq_lens = seqused_k + cu_seqlens_q.diff()
+        return mla_tree_attention(q_v, q, cache, block_table, seq_lens, cu_seqlens_q, None,
+                                  softmax_scale, keys="prefix")
+
+    return call
+
+
+@needs_kernel
+@pytest.mark.gpu
+def test_flash_prefix_rows_resume_flash_attention_over_the_trees():
+    from vllm_ddtree.attention.cuda_mla import flash_prefix_rows
+
+    trees = random_trees([16, 5, 9], 15, seed=8)
+    query_lens = [len(t) for t in trees]
+    batch = make_latent_batch(query_lens, [40, 0, 17], ODD, torch.float32, 8)
+    mask = pack_tree_mask(padded_tree_mask(trees, max(query_lens), 8))
+    out = flash_prefix_rows(
+        fake_flash_attn(batch), *(t.to(DEVICE) for t in (
+            batch.q_absorbed, batch.q_pe, batch.kv_cache, batch.block_table,
+            batch.seq_lens, batch.query_start_loc, mask)),
+        ODD.scale, max_query_len=max(query_lens), max_seq_len=100, num_splits=0,
+        scheduler_metadata=None).cpu()
+    values = project(batch, out)
+    for r, parents in enumerate(trees):
+        first = int(batch.query_start_loc[r])
+        for node in range(len(parents)):
+            want, _ = expanded_branch_oracle(batch, r, parents, node)
+            torch.testing.assert_close(values[first + node], want, atol=2e-5, rtol=2e-5)
 
 
 def test_mla_backends_without_trees_name_the_one_to_pick():

@@ -1,8 +1,8 @@
-"""DDTree on MLA + MoE targets on CUDA: TRITON_MLA (vllm_ddtree/attention/cuda_mla.py)
-on vLLM 0.33's V2 runner, tiny random DeepSeek-V3 and Kimi K2.5 targets
+"""DDTree on MLA + MoE targets on CUDA: FLASH_ATTN_MLA and TRITON_MLA
+(vllm_ddtree/attention/cuda_flash_mla.py, cuda_mla.py) on vLLM 0.33's V2 runner, tiny random DeepSeek-V3 and Kimi K2.5 targets
 (vllm_ddtree/checkpoints/mla.py: latent 512 + 64, sigmoid routing, YaRN).
 
-TRITON_MLA runs in bf16 (vLLM supports it in fp16 and bf16 only), so DDTree's greedy
+Both run in fp16/bf16 only (vLLM's limit), so DDTree's greedy
 output is compared with plain greedy decoding on the same GPU and backend as the dense
 bf16 tests are: every sequence identical or first differing at a near tie of the
 reference, eager and with CUDA graphs, budgets below, at and past the drafter's block
@@ -39,11 +39,12 @@ TARGETS = {
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("backend", ["FLASH_ATTN_MLA", "TRITON_MLA"])
 @pytest.mark.parametrize("target,block,budget", [("deepseek_v3", 8, 1),
                                                  ("deepseek_v3", 8, 17),
                                                  ("kimi_k25", 16, 16)])
-def test_triton_mla_greedy_matches_plain_bf16(monkeypatch, tmp_path, capfd, target, block,
-                                              budget, graphs):
+def test_mla_greedy_matches_plain_bf16(monkeypatch, tmp_path, capfd, target, block, budget,
+                                       backend, graphs):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
     make_target, engine_kw, drafter_kw = TARGETS[target]
@@ -54,8 +55,8 @@ def test_triton_mla_greedy_matches_plain_bf16(monkeypatch, tmp_path, capfd, targ
               "ddtree_topk_cap": 4}
     _, reference, got = reference_then_ddtree(
         path, PROMPTS, config, monkeypatch, tmp_path, graphs=graphs, dtype="bfloat16",
-        attention_backend="TRITON_MLA", **engine_kw)
+        attention_backend=backend, **engine_kw)
     log = "".join(capfd.readouterr())
-    assert "TRITON_MLA" in log
+    assert backend in log
     identical = assert_identical_or_near_tie(got, reference, BF16_NEAR_TIE)
     assert identical >= len(PROMPTS) // 2

@@ -1,6 +1,7 @@
 """DDTree's attention backends: subclasses of vLLM's that attend tree rows under their
 ancestor masks (``cpu.py``: CPU_ATTN; ``cpu_mla.py``: CPU_MLA; ``cuda.py``: FLASH_ATTN
-and TRITON_ATTN; ``cuda_mla.py``: TRITON_MLA), the metadata hook they share (``common.py``) and the step's published
+and TRITON_ATTN; ``cuda_mla.py``: TRITON_MLA; ``cuda_flash_mla.py``: FLASH_ATTN_MLA),
+the metadata hook they share (``common.py``) and the step's published
 tree (``state.py``).
 """
 
@@ -33,6 +34,7 @@ def register_backends(device) -> None:
             AttentionBackendEnum.FLASH_ATTN: "cuda.DDTreeFlashAttentionBackend",
             AttentionBackendEnum.TRITON_ATTN: "cuda.DDTreeTritonAttentionBackend",
             AttentionBackendEnum.TRITON_MLA: "cuda_mla.DDTreeTritonMLABackend",
+            AttentionBackendEnum.FLASH_ATTN_MLA: "cuda_flash_mla.DDTreeFlashAttnMLABackend",
         },
     }.get(torch.device(device).type)
     if overrides is None:

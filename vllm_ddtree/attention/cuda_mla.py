@@ -53,7 +53,7 @@ from vllm_ddtree.sync import step_phase
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-__all__ = ["DDTreeTritonMLABackend", "decode_rows_attention"]
+__all__ = ["DDTreeTritonMLABackend", "decode_rows_attention", "flash_prefix_rows"]
 
 
 @dataclass
@@ -116,6 +116,40 @@ def decode_rows_attention(
             seq_lens[reqs], tree.rows_query_start_loc, tree.packed_mask[reqs], scale,
             max_seq_len=max_seq_len)
         out[tree.rows] = rows
+    return out
+
+
+def flash_prefix_rows(
+    flash_attn_varlen_func,  # vLLM's FlashAttention 3 entry (its MLA form, q_v)
+    q_nope: torch.Tensor,  # [rows, heads, kv_lora_rank], W_UK absorbed
+    q_pe: torch.Tensor,  # [rows, heads, rope_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, verify rows included
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    packed_mask: torch.Tensor,  # [num_reqs, width, words] int32
+    scale: float,
+    *,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int,
+    scheduler_metadata: torch.Tensor | None,
+) -> torch.Tensor:  # latent [rows, heads, kv_lora_rank]
+    """FLASH_ATTN_MLA's steady state (every row a tree row): FlashAttention 3,
+    non-causal, over each request's prefix alone (``seq_len`` less its rows) with its
+    LSE, then the MLA tree kernel resumes that softmax over the tree keys. The
+    schedule, when given, is the builder's, made for exactly this call."""
+    rank = q_nope.shape[-1]
+    prefix_lens = seq_lens - query_start_loc.diff()
+    out, lse = flash_attn_varlen_func(
+        q=q_pe, k=kv_cache[..., rank:].unsqueeze(-2), v=kv_cache[..., :rank].unsqueeze(-2),
+        q_v=q_nope, max_seqlen_q=max(max_query_len, 1), cu_seqlens_q=query_start_loc,
+        max_seqlen_k=max_seq_len, seqused_k=prefix_lens, block_table=block_table,
+        softmax_scale=scale, causal=False, return_softmax_lse=True, fa_version=3,
+        scheduler_metadata=scheduler_metadata, num_splits=num_splits,
+    )
+    out, _ = mla_tree_attention_triton(q_nope, q_pe, kv_cache, block_table, seq_lens,
+                                       query_start_loc, packed_mask, scale, "all", out, lse)
     return out
 
 

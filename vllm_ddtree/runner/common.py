@@ -339,16 +339,16 @@ def _no_tree_backend_message(layer_name: str, backend: Any) -> str:
                f"{layer_name} uses {shown}, which has none. ")
     if callable(is_mla) and is_mla():
         return message + (
-            "DDTree's MLA backends are TRITON_MLA on CUDA (fp16/bf16; pass "
-            "--attention-backend TRITON_MLA, since vLLM picks FLASH_ATTN_MLA or FLASHMLA "
-            "on Hopper, which have no tree path yet) and CPU_MLA on CPUs (on CPUs with "
+            "DDTree's MLA backends are FLASH_ATTN_MLA and TRITON_MLA on CUDA (fp16/bf16 "
+            "latent caches; vLLM picks FLASHMLA for an fp8 cache, which has no tree path "
+            "yet: pass --attention-backend TRITON_MLA) and CPU_MLA on CPUs (on CPUs with "
             "AMX, where vLLM picks AMX_MLA, pass --attention-backend CPU_MLA); "
             "VLLM_MLA_DISABLE=1 runs an MLA model as plain attention, which DDTree "
             "supports."
         )
     return message + (
-        "DDTree backends: CPU_ATTN and CPU_MLA on CPU, FLASH_ATTN, TRITON_ATTN and "
-        "TRITON_MLA on CUDA (choose one with --attention-backend)."
+        "DDTree backends: CPU_ATTN and CPU_MLA on CPU, FLASH_ATTN, TRITON_ATTN, "
+        "FLASH_ATTN_MLA and TRITON_MLA on CUDA (choose one with --attention-backend)."
     )
 
 
