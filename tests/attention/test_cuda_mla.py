@@ -142,3 +142,30 @@ def test_mla_backends_without_trees_name_the_one_to_pick():
     runner = fake_runner({"model.layers.0.self_attn.attn": CudaMLABackend})
     with pytest.raises(NotImplementedError, match="--attention-backend TRITON_MLA"):
         check_tree_backends(runner)
+
+
+def test_capture_builds_give_tree_rows_no_negative_prefix():
+    """vLLM captures decode graphs with seq_lens of 1; with a tree published, the MLA
+    builders raise each to its query rows (the shared buffer the replays read)."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.attention.cuda_mla import MLACaptureMixin
+
+    seq_lens = torch.tensor([1, 1, 40], dtype=torch.int32)
+    metadata = SimpleNamespace(tree=object(), decode=SimpleNamespace(seq_lens=seq_lens),
+                               query_start_loc=torch.tensor([0, 17, 34, 51, 51],
+                                                            dtype=torch.int32))
+
+    class Parent:
+        def build_for_cudagraph_capture(self, _):
+            return metadata
+
+    class Builder(MLACaptureMixin, Parent):
+        pass
+
+    Builder().build_for_cudagraph_capture(None)
+    assert seq_lens.tolist() == [17, 17, 40]
+    metadata.tree = None  # no tree published: the parent's lengths as they are
+    seq_lens[:] = 1
+    Builder().build_for_cudagraph_capture(None)
+    assert seq_lens.tolist() == [1, 1, 1]

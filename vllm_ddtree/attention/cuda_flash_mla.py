@@ -35,7 +35,7 @@ from vllm_ddtree.attention.cpu_mla import (
     DDTreeCPUMLABackend,
     check_tree_rows_are_decodes,
 )
-from vllm_ddtree.attention.cuda_mla import flash_prefix_rows
+from vllm_ddtree.attention.cuda_mla import MLACaptureMixin, flash_prefix_rows
 from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
 from vllm_ddtree.kernels.mla_tree_attention import mla_tree_attention_triton
 from vllm_ddtree.sync import step_phase
@@ -51,7 +51,7 @@ class DDTreeFlashAttnMLAMetadata(FlashAttnMLAMetadata):
     prefix_scheduled: bool = False
 
 
-class DDTreeFlashAttnMLAMetadataBuilder(FlashAttnMLAMetadataBuilder):
+class DDTreeFlashAttnMLAMetadataBuilder(MLACaptureMixin, FlashAttnMLAMetadataBuilder):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.metadata_cls = DDTreeFlashAttnMLAMetadata

@@ -53,7 +53,8 @@ from vllm_ddtree.sync import step_phase
 if TYPE_CHECKING:
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-__all__ = ["DDTreeTritonMLABackend", "decode_rows_attention", "flash_prefix_rows"]
+__all__ = ["DDTreeTritonMLABackend", "MLACaptureMixin", "decode_rows_attention",
+           "flash_prefix_rows"]
 
 
 @dataclass
@@ -61,7 +62,23 @@ class DDTreeMLAMetadata(MLACommonMetadata[MLACommonDecodeMetadata]):
     tree: TreeAttentionInfo | None = None
 
 
-class DDTreeTritonMLAMetadataBuilder(TritonMLAMetadataBuilder):
+class MLACaptureMixin:
+    """The parent's capture build with every dummy decode's ``seq_len`` at least its
+    query rows where a tree is published (as ``TreeMetadataBuilderMixin`` does for the
+    dense builders): vLLM captures decodes with ``seq_lens`` of 1, and a tree row reads
+    ``seq_len - rows`` prefix keys, so less than none would send the capture's run to
+    key positions below 0. Replays read the real step's lengths from the same buffer."""
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        metadata = super().build_for_cudagraph_capture(common_attn_metadata)
+        if getattr(metadata, "tree", None) is not None and metadata.decode is not None:
+            seq_lens = metadata.decode.seq_lens
+            query_lens = metadata.query_start_loc.diff()[: seq_lens.shape[0]]
+            torch.maximum(seq_lens, query_lens.to(seq_lens.dtype), out=seq_lens)
+        return metadata
+
+
+class DDTreeTritonMLAMetadataBuilder(MLACaptureMixin, TritonMLAMetadataBuilder):
     """TRITON_MLA's builder with variable-length decodes (verify rows of any tree
     size) and the step's published tree attached."""
 

@@ -165,7 +165,8 @@ def _mla_tree_kernel(
     first = tl.load(qsl_ptr + req)
     num_queries = tl.where(real, tl.load(qsl_ptr + req + 1) - first, 0)
     row = t - first
-    prefix_len = tl.load(seq_lens_ptr + req) - num_queries
+    # Never below 0: a capture's dummy lengths must not send key reads out of range.
+    prefix_len = tl.maximum(tl.load(seq_lens_ptr + req) - num_queries, 0)
 
     offs_r = tl.arange(0, RANK_PAD)
     offs_p = tl.arange(0, ROPE_PAD)
