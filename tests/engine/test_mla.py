@@ -52,26 +52,32 @@ TARGETS: dict[str, tuple[Callable[..., Path], dict, dict]] = {
                  {"rope_scaling": mla.KIMI_K2_TEXT["rope_scaling"]}),
 }
 # (attention path, target, drafter block size, budget, top-k cap, rank rule). Budgets 1,
-# 8, 17 and 31 at block size 8 (below, at and past the block size, odd), and block 16.
+# 7, 8, 17 and 31 at block size 8 (below, at and past the block size, odd), and 16 at
+# block 16, on both attention paths.
 CASES = [
     ("mha", "deepseek_v3", 8, 1, 4, "mixed"),
     ("mha", "deepseek_v3", 8, 17, 4, "mixed"),
     ("mha", "deepseek_v3", 16, 16, 2, "mixed"),
+    ("mha", "deepseek_v3", 8, 7, 4, "mixed"),
     ("mha", "kimi_k25", 8, 8, 3, "mixed"),
     ("mha", "kimi_k25", 8, 31, None, "siblings"),
     ("cpu_mla", "deepseek_v3", 8, 1, 4, "mixed"),
     ("cpu_mla", "deepseek_v3", 8, 17, 4, "mixed"),
+    ("cpu_mla", "deepseek_v3", 16, 16, 2, "mixed"),
     ("cpu_mla", "kimi_k25", 8, 31, None, "siblings"),
 ]
 
 
-def use_attention(mp: pytest.MonkeyPatch, attention: str) -> None:
+def use_attention(mp: pytest.MonkeyPatch, attention: str) -> dict:
     """Choose the attention path of the engines made next; their processes inherit
-    the environment (vLLM reads VLLM_MLA_DISABLE when it configures an engine)."""
+    the environment (vLLM reads VLLM_MLA_DISABLE when it configures an engine).
+    Returns the engine arguments of the path: CPU_MLA named, since on a CPU with AMX
+    vLLM would pick AMX_MLA (bf16 weights only)."""
     if attention == "mha":
         mp.setenv("VLLM_MLA_DISABLE", "1")
-    else:
-        mp.delenv("VLLM_MLA_DISABLE", raising=False)
+        return {}
+    mp.delenv("VLLM_MLA_DISABLE", raising=False)
+    return {"attention_backend": "CPU_MLA"}
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +104,8 @@ def mla_reference(mla_target) -> Callable[[str, str], tuple[list, list]]:
     def get(name: str, attention: str) -> tuple[list, list]:
         if (name, attention) not in cache:
             with pytest.MonkeyPatch.context() as mp:
-                use_attention(mp, attention)
-                llm = make_llm(str(mla_target(name)), **TARGETS[name][1])
+                backend = use_attention(mp, attention)
+                llm = make_llm(str(mla_target(name)), **TARGETS[name][1], **backend)
             try:
                 cache[name, attention] = (prompt_ids(llm, PROMPTS),
                                           greedy(llm, PROMPTS, MAX_TOKENS + 20))
@@ -165,9 +171,9 @@ def test_greedy_identical_and_exact_acceptance(
                                      block_size, **TARGETS[target][2])
     config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
               "ddtree_topk_cap": cap}
-    use_attention(monkeypatch, attention)
+    backend = use_attention(monkeypatch, attention)
     capfd.readouterr()  # the log of this engine's processes alone
-    llm = make_llm(str(path), config, **TARGETS[target][1])
+    llm = make_llm(str(path), config, **TARGETS[target][1], **backend)
     try:
         got = greedy(llm, PROMPTS, MAX_TOKENS)
         metrics = spec_metrics(llm)
