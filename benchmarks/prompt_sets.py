@@ -250,6 +250,10 @@ def word_ngrams(words: list[str], n: int) -> set[tuple[str, ...]]:
     return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 
+def _has_letters(words: tuple[str, ...]) -> bool:
+    return any(c.isalpha() for word in words for c in word)
+
+
 @dataclass(frozen=True)
 class Overlap:
     prompt_id: str
@@ -261,7 +265,9 @@ def find_overlaps(prompts: list[BenchPrompt], corpus: list[str], n: int = NGRAM,
                   min_words: int = 5) -> list[Overlap]:
     """Every benchmark text that equals a training prompt after normalization, contains
     a whole training prompt of at least ``min_words`` words, or shares a run of ``n``
-    words with one. At most one finding per prompt and kind."""
+    words with one (a run with no letter in it, such as ``1 2 3 4 5 6 7 8`` in a
+    counting example, is no evidence of shared text). At most one finding per prompt
+    and kind."""
     train = [normalize(t) for t in corpus]
     equal = set(train)
     whole = [f" {t} " for t in train if len(t.split()) >= min_words]
@@ -275,7 +281,8 @@ def find_overlaps(prompts: list[BenchPrompt], corpus: list[str], n: int = NGRAM,
             ("equal", next((t for t in texts if t in equal), None)),
             ("contains", next((w.strip() for t in texts for w in whole if w in f" {t} "), None)),
             ("ngram", next((" ".join(g) for t in texts
-                            for g in word_ngrams(t.split(), n) if g in grams), None)),
+                            for g in word_ngrams(t.split(), n)
+                            if g in grams and _has_letters(g)), None)),
         ):
             if hit is not None:
                 found.append(Overlap(p.id, kind, hit))

@@ -2,7 +2,9 @@
 
 Sources: the Zen of Python, the docstrings of a fixed list of stdlib modules, and
 instruction-style prompts (code, math, chat, prose) generated from templates with
-a seeded RNG. The continuations come from the target model itself, so only the
+a seeded RNG; on request (``--functions N``) also N functions of the standard
+library's own source, each asked for by its signature and docstring, explained and
+tested (real code in its variety, grouped by module). The continuations come from the target model itself, so only the
 prompts need to be varied; their quality matters little.
 
 Each prompt carries the name of its template (``group``), so that the held-out split
@@ -15,13 +17,18 @@ train from that file for exact reruns.
 
 from __future__ import annotations
 
+import argparse
+import ast
 import codecs
 import contextlib
+import functools
 import importlib
 import io
 import json
 import random
-import sys
+import sysconfig
+import textwrap
+from pathlib import Path
 
 # Modules whose import has no side effects and whose docstring is informative.
 STDLIB_MODULES = """
@@ -183,10 +190,83 @@ def instruction_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
     return out
 
 
-def build_prompt_records(num_instructions: int = 2500, seed: int = 0) -> list[dict[str, str]]:
+FUNCTION_FORMS = [
+    "Write a Python function `{name}({args})` that does the following:\n\n{doc}",
+    "Explain what this Python function does, step by step:\n```python\n{source}\n```",
+    "Write unit tests with pytest for this Python function:\n```python\n{source}\n```",
+    ("Suggest improvements to this Python function and show the improved version:\n"
+     "```python\n{source}\n```"),
+]
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_functions(max_lines: int, max_chars: int) -> tuple[dict[str, str], ...]:
+    return tuple(_find_stdlib_functions(max_lines, max_chars))
+
+
+def stdlib_functions(max_lines: int = 30, max_chars: int = 1200) -> list[dict[str, str]]:
+    """Public functions and methods with a docstring in the standard library's own
+    modules (``_find_stdlib_functions``), parsed once per process."""
+    return [dict(f) for f in _stdlib_functions(max_lines, max_chars)]
+
+
+def _find_stdlib_functions(max_lines: int, max_chars: int) -> list[dict[str, str]]:
+    """Public functions and methods with a docstring in the standard library's own
+    modules (the
+    top-level ``.py`` files and packages of this Python's stdlib, tests left out):
+    ``{"module", "name", "args", "doc", "source"}``, sorted, sources at most
+    ``max_lines`` lines and ``max_chars`` characters."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not {"test", "tests", "idlelib", "site-packages", "lib2to3"}
+                   & set(p.relative_to(root).parts))
+    found = []
+    for path in files:
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(
+            ".__init__")
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+            lines = text.splitlines(keepends=True)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        # Module-level functions, and the methods of module-level classes.
+        nodes = [(n, "") for n in tree.body] + [
+            (m, f"{c.name}.") for c in tree.body if isinstance(c, ast.ClassDef)
+            and not c.name.startswith("_") for m in c.body]
+        for node, owner in nodes:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 30 or node.end_lineno - node.lineno >= max_lines:
+                continue
+            source = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno]))
+            # A docstring line left of the body keeps dedent from working: skip those.
+            if len(source) > max_chars or not source.startswith("def "):
+                continue
+            source = source.rstrip()
+            found.append({"module": module, "name": owner + node.name,
+                          "args": ast.unparse(node.args), "doc": doc.split("\n\n")[0],
+                          "source": source})
+    return found
+
+
+def function_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """Prompts from ``n`` stdlib functions (fewer if the library has fewer), each in
+    every form of FUNCTION_FORMS; the group is the module, so a held-out module shares
+    no function with training."""
+    functions = stdlib_functions()
+    chosen = rng.sample(functions, min(n, len(functions)))
+    return [(form.format(**f), f"lib:{f['module']}") for f in chosen for form in FUNCTION_FORMS]
+
+
+def build_prompt_records(num_instructions: int = 2500, seed: int = 0,
+                         functions: int = 0) -> list[dict[str, str]]:
     """All prompts as ``{"prompt", "group"}`` records, deduplicated, in a fixed order.
-    The group names the template, so a held-out split by group shares no template
-    with training (``training.corpus``)."""
+    The group names the template (or the module of a stdlib function), so a held-out
+    split by group shares no template with training (``training.corpus``).
+    ``functions`` adds that many stdlib functions' prompts after the rest (0: the
+    corpus the shipped drafter was trained on)."""
     rng = random.Random(seed)
     records: list[tuple[str, str]] = []
     for line in zen_lines():
@@ -200,6 +280,8 @@ def build_prompt_records(num_instructions: int = 2500, seed: int = 0) -> list[di
         records.append((f"Write a short example that uses the Python module `{name}`.",
                         "module:example"))
     records += instruction_prompts(rng, num_instructions)
+    if functions:
+        records += function_prompts(random.Random(seed + 1), functions)
     first = dict(reversed(records))  # text -> the group of its first occurrence
     return [{"prompt": text, "group": first[text]} for text in dict.fromkeys(t for t, _ in records)]
 
@@ -209,10 +291,18 @@ def build_prompts(num_instructions: int = 2500, seed: int = 0) -> list[str]:
     return [r["prompt"] for r in build_prompt_records(num_instructions, seed)]
 
 
-if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "prompts.json"
-    records = build_prompt_records()
-    with open(out, "w") as fh:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write the built-in prompt corpus.")
+    parser.add_argument("out", nargs="?", default="prompts.json")
+    parser.add_argument("--functions", type=int, default=0,
+                        help="add prompts from this many stdlib functions (4 each)")
+    args = parser.parse_args(argv)
+    records = build_prompt_records(functions=args.functions)
+    with open(args.out, "w") as fh:
         json.dump(records, fh, indent=0)
     groups = len({r["group"] for r in records})
-    print(f"{len(records)} prompts in {groups} template groups -> {out}")
+    print(f"{len(records)} prompts in {groups} template groups -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -21,7 +21,7 @@ import prompt_sets
 import serving_client
 import serving_summary
 
-from training.prompts import build_prompts
+from training.prompts import build_prompt_records, build_prompts
 
 
 def have_prompt_packages() -> bool:
@@ -121,12 +121,39 @@ def test_benchmark_sets_share_nothing_with_the_training_prompts(name, training_p
     assert prompt_sets.find_overlaps(prompts, training_prompts) == []
 
 
+@needs_packages
+@pytest.mark.parametrize("name", ["mt-bench", "humaneval"])
+def test_benchmark_sets_share_nothing_with_the_larger_corpus(name):
+    """The corpus with stdlib functions (``python -m training.prompts --functions``):
+    real code, so the check that HumanEval's functions are not among them matters."""
+    from training.prompts import FUNCTION_FORMS, stdlib_functions
+
+    functions = build_prompt_records(functions=len(stdlib_functions()))
+    # Each function's signature and docstring (form 0) and its source (form 1): the
+    # other forms repeat the source.
+    per_function = len(FUNCTION_FORMS)
+    added = [r["prompt"] for r in functions if r["group"].startswith("lib:")]
+    prompts = [p for i, p in enumerate(added) if i % per_function in (0, 1)]
+    assert len(prompts) > 4000
+    assert prompt_sets.find_overlaps(prompt_sets.load_set(name), prompts) == []
+
+
 def test_the_smoke_set_is_flagged_as_a_training_prompt(training_prompts):
     """The check is not vacuous: bench_e2e's "code" prompt is one of the training
     templates filled in, and is found by all three tests."""
     found = prompt_sets.find_overlaps(prompt_sets.smoke(), training_prompts)
     assert {(o.prompt_id, o.kind) for o in found} == {
         ("smoke/code", "equal"), ("smoke/code", "contains"), ("smoke/code", "ngram")}
+
+
+def test_runs_of_numbers_alone_are_not_shared_text():
+    corpus = ["Count them: 1 2 3 4 5 6 7 8 9 and then stop counting here now please"]
+    numbers = [prompt_sets.BenchPrompt("x/1", ({"role": "user",
+                                                "content": "list 1 2 3 4 5 6 7 8 9"},))]
+    words = [prompt_sets.BenchPrompt("x/2", ({"role": "user", "content":
+                                              "so 9 and then stop counting here now please"},))]
+    assert prompt_sets.find_overlaps(numbers, corpus) == []
+    assert [o.kind for o in prompt_sets.find_overlaps(words, corpus)] == ["ngram"]
 
 
 def test_overlap_sees_through_case_punctuation_and_context():

@@ -71,3 +71,33 @@ def test_builtin_corpus_split_shares_no_template_or_prompt():
     assert train and test
     assert not {r["group"] for r in train} & {r["group"] for r in test}
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+
+
+def test_stdlib_functions_add_real_code_grouped_by_module():
+    """``--functions N``: N stdlib functions (and methods), four prompts each, grouped
+    by module, after the unchanged built-in corpus; the split holds out whole modules."""
+    from training.prompts import FUNCTION_FORMS, stdlib_functions
+
+    functions = stdlib_functions()
+    assert len(functions) > 2000 and len({f["module"] for f in functions}) > 150
+    assert all(f["source"].startswith("def ") for f in functions)  # methods dedented
+    records = build_prompt_records(functions=300)
+    base = build_prompt_records()
+    assert records[: len(base)] == base
+    added = records[len(base):]
+    assert len(added) == 300 * len(FUNCTION_FORMS)
+    assert all(r["group"].startswith("lib:") for r in added)
+    assert len({r["group"] for r in added}) > 50
+    held = split_heldout([r["group"] for r in records], 0.1, seed=0)
+    train = {r["prompt"] for r in records if r["group"] not in held}
+    assert train and not train & {r["prompt"] for r in records if r["group"] in held}
+    assert build_prompt_records(functions=300) == records  # deterministic
+
+
+def test_prompts_command_writes_the_larger_corpus(tmp_path, capsys):
+    from training.prompts import main
+
+    main([str(tmp_path / "p.json"), "--functions", "50"])
+    records = json.loads((tmp_path / "p.json").read_text())
+    assert sum(r["group"].startswith("lib:") for r in records) == 200
+    assert "prompts in" in capsys.readouterr().out
