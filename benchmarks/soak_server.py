@@ -537,15 +537,12 @@ def run_replay(args: argparse.Namespace) -> dict:
     finally:
         if server is not None:
             stop_server(server)
-    report = write_report(args, earlier["levels"], reference,
-                          partial="partial" in earlier)
-    report["soak_config"] = earlier["config"]
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    return report
+    return write_report(args, earlier["levels"], reference, partial="partial" in earlier,
+                        extra={"soak_config": earlier["config"]})
 
 
 def write_report(args: argparse.Namespace, levels: list[dict], reference: dict | None,
-                 partial: bool = False) -> dict:
+                 partial: bool = False, extra: dict | None = None) -> dict:
     report = {"config": {k: (str(v) if isinstance(v, Path) else v)
                          for k, v in vars(args).items()},
               "levels": levels, "reference": reference}
@@ -554,6 +551,7 @@ def write_report(args: argparse.Namespace, levels: list[dict], reference: dict |
                         and report["engine_steps"] >= args.min_engine_steps)
     if partial:
         report["partial"] = "cut off before every level and the reference ran"
+    report.update(extra or {})
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return report
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.e2e_utils import PROMPTS
+from tests.engine.test_mla import TARGETS
 from tests.gpu.test_e2e_v2 import _has_v2_runner
 from tests.gpu_utils import (
     BF16_NEAR_TIE,
@@ -22,7 +23,6 @@ from tests.gpu_utils import (
     assert_identical_or_near_tie,
     reference_then_ddtree,
 )
-from vllm_ddtree.checkpoints import mla
 from vllm_ddtree.checkpoints import tiny as tm
 
 pytestmark = [
@@ -30,13 +30,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(not _has_v2_runner(), reason="needs vLLM 0.33 (V2 runner)"),
 ]
-
-TARGETS = {
-    "deepseek_v3": (mla.make_deepseek_v3_target, {}, {}),
-    "kimi_k25": (mla.make_kimi_k25_target, {"language_model_only": True},
-                 {"rope_scaling": mla.KIMI_K2_TEXT["rope_scaling"]}),
-}
-
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("backend", ["FLASH_ATTN_MLA", "TRITON_MLA"])

@@ -44,10 +44,9 @@ from vllm_ddtree.tensors import SlotMoves
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-__all__ = ["DDTreeCPUMLABackend", "expand_decode_rows"]
+__all__ = ["DDTreeCPUMLABackend", "MLATreeBuilderMixin", "expand_decode_rows"]
 
 
 class DDTreeCPUMLABackend(CPUMLABackend):
@@ -97,7 +96,25 @@ class DDTreeCPUMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
     tree: TreeAttentionInfo | None = None
 
 
-class DDTreeCPUMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeCPUMLAMetadata]):
+class MLATreeBuilderMixin:
+    """Attaches the published tree to an MLA builder's metadata (every DDTree MLA
+    backend's builder: CPU_MLA here, TRITON_MLA and FLASH_ATTN_MLA on CUDA), after
+    checking that vLLM counted every tree row as a decode."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        tree = current_tree()
+        if tree is None or not tree.tree_reqs:
+            return metadata
+        tree.prepare_for(metadata.query_start_loc.device)
+        check_tree_rows_are_decodes(tree, metadata.num_decode_tokens)
+        metadata.tree = tree
+        return metadata
+
+
+class DDTreeCPUMLAMetadataBuilder(
+    MLATreeBuilderMixin, MLACommonMetadataBuilder[DDTreeCPUMLAMetadata]
+):
     """vLLM's MLA builder with variable-length decodes (verify rows included) and
     the step's published tree attached.
 
@@ -135,21 +152,6 @@ class DDTreeCPUMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeCPUMLAMetadata]
             request_block_table=block_table_tensor,
             request_seq_lens=seq_lens_device,
         )
-
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> DDTreeCPUMLAMetadata:
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        tree = current_tree()
-        if tree is None or not tree.tree_reqs:
-            return metadata
-        tree.prepare_for(metadata.query_start_loc.device)
-        check_tree_rows_are_decodes(tree, metadata.num_decode_tokens)
-        metadata.tree = tree
-        return metadata
 
 
 class DDTreeCPUMLAImpl(CPUMLAImpl):

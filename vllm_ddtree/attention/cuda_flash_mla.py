@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm.config.vllm import get_current_vllm_config_or_none
 from vllm.v1.attention.backends.mla import flashattn_mla
 from vllm.v1.attention.backends.mla.flashattn_mla import (
     FlashAttnMLABackend,
@@ -31,13 +30,14 @@ from vllm.v1.attention.backends.mla.flashattn_mla import (
 )
 
 from vllm_ddtree.attention.common import check_tree_support
-from vllm_ddtree.attention.cpu_mla import (
-    DDTreeCPUMLABackend,
-    check_tree_rows_are_decodes,
+from vllm_ddtree.attention.cpu_mla import DDTreeCPUMLABackend, MLATreeBuilderMixin
+from vllm_ddtree.attention.cuda_mla import (
+    MLACaptureMixin,
+    flash_prefix_rows,
+    model_max_len,
+    tree_rows_attention,
 )
-from vllm_ddtree.attention.cuda_mla import MLACaptureMixin, flash_prefix_rows
 from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
-from vllm_ddtree.kernels.mla_tree_attention import mla_tree_attention_triton
 from vllm_ddtree.sync import step_phase
 
 __all__ = ["DDTreeFlashAttnMLABackend"]
@@ -46,46 +46,32 @@ __all__ = ["DDTreeFlashAttnMLABackend"]
 @dataclass
 class DDTreeFlashAttnMLAMetadata(FlashAttnMLAMetadata):
     tree: TreeAttentionInfo | None = None
-    # The decode schedule is for flash_prefix_rows' call (non-causal over the
-    # prefixes), not the parent's causal one.
-    prefix_scheduled: bool = False
 
 
-class DDTreeFlashAttnMLAMetadataBuilder(MLACaptureMixin, FlashAttnMLAMetadataBuilder):
+class DDTreeFlashAttnMLAMetadataBuilder(MLACaptureMixin, MLATreeBuilderMixin,
+                                        FlashAttnMLAMetadataBuilder):
+    """In a step whose every row is a tree row, the decode schedule
+    (``decode.scheduler_metadata``) is made for flash_prefix_rows' call, non-causal
+    over the prefixes: the parent's causal call never runs there."""
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.metadata_cls = DDTreeFlashAttnMLAMetadata
-        self._prefix_scheduled = False
 
     def _schedule_decode(self, num_reqs, cu_query_lens, max_query_len, seqlens,
                          max_seq_len, causal, max_num_splits):
         tree = current_tree()
         if tree is not None and tree.skips_parent_attention:
-            # The parent's causal call never runs this step: schedule the prefixes'.
             seqlens = seqlens - cu_query_lens.diff()
             causal = False
-            self._prefix_scheduled = True
         return super()._schedule_decode(num_reqs, cu_query_lens, max_query_len, seqlens,
                                         max_seq_len, causal, max_num_splits)
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        self._prefix_scheduled = False
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        tree = current_tree()
-        if tree is None or not tree.tree_reqs:
-            return metadata
-        tree.prepare_for(metadata.query_start_loc.device)
-        check_tree_rows_are_decodes(tree, metadata.num_decode_tokens)
-        metadata.tree = tree
-        metadata.prefix_scheduled = self._prefix_scheduled
-        return metadata
 
 
 class DDTreeFlashAttnMLAImpl(FlashAttnMLAImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        config = get_current_vllm_config_or_none()
-        self._ddtree_max_len = config.model_config.max_model_len if config else None
+        self._ddtree_max_len = model_max_len()
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         tree: TreeAttentionInfo | None = getattr(attn_metadata, "tree", None)
@@ -110,15 +96,11 @@ class DDTreeFlashAttnMLAImpl(FlashAttnMLAImpl):
                     decode.seq_lens[:num_reqs], decode.query_start_loc[: num_reqs + 1],
                     tree.packed_mask, self.scale, max_query_len=tree.width,
                     max_seq_len=decode.max_seq_len, num_splits=decode.max_num_splits,
-                    scheduler_metadata=(decode.scheduler_metadata
-                                        if attn_metadata.prefix_scheduled else None))
+                    scheduler_metadata=decode.scheduler_metadata)
                 return out, None
             out, _ = super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-            reqs = tree.req_index
-            rows, _ = mla_tree_attention_triton(
-                q_nope[tree.rows], q_pe[tree.rows], kv_c_and_k_pe_cache,
-                decode.block_table[reqs], decode.seq_lens[reqs], tree.rows_query_start_loc,
-                tree.packed_mask[reqs], self.scale, max_seq_len=self._ddtree_max_len)
+            rows = tree_rows_attention(q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table,
+                                       decode.seq_lens, tree, self.scale, self._ddtree_max_len)
             out[tree.rows] = rows.to(out.dtype)
         return out, None
 

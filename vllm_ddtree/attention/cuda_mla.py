@@ -26,7 +26,7 @@ MLA backends have no tree path yet: ``--attention-backend TRITON_MLA`` picks thi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from vllm.config.vllm import get_current_vllm_config_or_none
@@ -42,19 +42,13 @@ from vllm.v1.attention.backends.mla.triton_mla import (
 )
 
 from vllm_ddtree.attention.common import check_tree_support
-from vllm_ddtree.attention.cpu_mla import (
-    DDTreeCPUMLABackend,
-    check_tree_rows_are_decodes,
-)
-from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
+from vllm_ddtree.attention.cpu_mla import DDTreeCPUMLABackend, MLATreeBuilderMixin
+from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.kernels.mla_tree_attention import mla_tree_attention_triton
 from vllm_ddtree.sync import step_phase
 
-if TYPE_CHECKING:
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
 __all__ = ["DDTreeTritonMLABackend", "MLACaptureMixin", "decode_rows_attention",
-           "flash_prefix_rows"]
+           "flash_prefix_rows", "model_max_len", "tree_rows_attention"]
 
 
 @dataclass
@@ -78,7 +72,8 @@ class MLACaptureMixin:
         return metadata
 
 
-class DDTreeTritonMLAMetadataBuilder(MLACaptureMixin, TritonMLAMetadataBuilder):
+class DDTreeTritonMLAMetadataBuilder(MLACaptureMixin, MLATreeBuilderMixin,
+                                     TritonMLAMetadataBuilder):
     """TRITON_MLA's builder with variable-length decodes (verify rows of any tree
     size) and the step's published tree attached."""
 
@@ -87,21 +82,6 @@ class DDTreeTritonMLAMetadataBuilder(MLACaptureMixin, TritonMLAMetadataBuilder):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.metadata_cls = DDTreeMLAMetadata  # vLLM's MLA builder makes this class
-
-    def build(
-        self,
-        common_prefix_len: int,
-        common_attn_metadata: CommonAttentionMetadata,
-        fast_build: bool = False,
-    ) -> DDTreeMLAMetadata:
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        tree = current_tree()
-        if tree is None or not tree.tree_reqs:
-            return metadata
-        tree.prepare_for(metadata.query_start_loc.device)
-        check_tree_rows_are_decodes(tree, metadata.num_decode_tokens)
-        metadata.tree = tree
-        return metadata
 
 
 def decode_rows_attention(
@@ -127,13 +107,35 @@ def decode_rows_attention(
     out, _ = mla_tree_attention_triton(q_nope, q_pe, kv_cache, block_table, seq_lens,
                                        query_start_loc, None, scale, max_seq_len=max_seq_len)
     if tree is not None:
-        reqs = tree.req_index
-        rows, _ = mla_tree_attention_triton(
-            q_nope[tree.rows], q_pe[tree.rows], kv_cache, block_table[reqs],
-            seq_lens[reqs], tree.rows_query_start_loc, tree.packed_mask[reqs], scale,
-            max_seq_len=max_seq_len)
-        out[tree.rows] = rows
+        out[tree.rows] = tree_rows_attention(q_nope, q_pe, kv_cache, block_table, seq_lens,
+                                             tree, scale, max_seq_len)
     return out
+
+
+def tree_rows_attention(
+    q_nope: torch.Tensor,  # [rows, heads, kv_lora_rank], every decode row
+    q_pe: torch.Tensor,  # [rows, heads, rope_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    block_table: torch.Tensor,  # [num_decodes, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_decodes] int32, query rows included
+    tree: TreeAttentionInfo,
+    scale: float,
+    max_seq_len: int | None,
+) -> torch.Tensor:  # latent [tree rows, heads, kv_lora_rank], in tree.rows order
+    """The tree rows alone, over their prefix and ancestors: a step whose other decode
+    rows took another path (the backend's kernel, or the causal launch)."""
+    reqs = tree.req_index
+    rows, _ = mla_tree_attention_triton(
+        q_nope[tree.rows], q_pe[tree.rows], kv_cache, block_table[reqs], seq_lens[reqs],
+        tree.rows_query_start_loc, tree.packed_mask[reqs], scale, max_seq_len=max_seq_len)
+    return rows
+
+
+def model_max_len() -> int | None:
+    """The engine's max_model_len, read when a layer's impl is made: it sizes the MLA
+    kernel's KV splits, the same at graph capture and at every step."""
+    config = get_current_vllm_config_or_none()
+    return config.model_config.max_model_len if config else None
 
 
 def flash_prefix_rows(
@@ -173,10 +175,7 @@ def flash_prefix_rows(
 class DDTreeTritonMLAImpl(TritonMLAImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        config = get_current_vllm_config_or_none()
-        # The kernel's KV splits are sized by the model's length, the same at graph
-        # capture and at every step.
-        self._ddtree_max_len = config.model_config.max_model_len if config else None
+        self._ddtree_max_len = model_max_len()
 
     def forward_mqa(
         self,
