@@ -51,7 +51,9 @@ TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
 TREE_OPS = ("tree_ops_preorder_fused_ab_h200.json", "fused")
 PROFILE = "gpu_profile_20261204_cb12350_real.json"
 # The OpenAI server soak on the GPU (soak_server.py).
-SOAK_GPU = "soak_h100_no_reference.json"
+SOAK_GPU = "soak_h100.json"
+# The MLA tree kernel against TRITON_MLA's decode kernel (bench_mla_attention.py).
+MLA_ATTENTION = "mla_attention_h100.json"
 
 
 class Doc:
@@ -420,7 +422,8 @@ def serving_cpu(doc: Doc) -> str:
 def soak_gpu(doc: Doc) -> str:
     """soak_server.py's levels on the GPU: requests, errors, latency, steps."""
     data = load(SOAK_GPU)
-    config, ref = data["config"], data["reference"]
+    # A replay's report keeps the soak's own configuration beside its own.
+    config, ref = data.get("soak_config") or data["config"], data["reference"]
     rows = []
     for level in data["levels"]:
         name = "long, one at a time" if level.get("phase") == "long" else str(
@@ -434,8 +437,11 @@ def soak_gpu(doc: Doc) -> str:
     if ref is None:
         compared = "No plain server replayed its texts in this run (not compared)."
     else:
-        compared = (f"A plain server replayed them: T=0 {ref['t0'][1]}/{ref['t0'][0]} "
-                    f"identical, seeded {ref['seeded'][1]}/{ref['seeded'][0]}.")
+        compared = (f"A plain server with the same flags replayed them: T=0 {ref['t0'][1]}/{ref['t0'][0]} "
+                    f"identical, seeded {ref['seeded'][1]}/{ref['seeded'][0]} (a seed fixes "
+                    "the draws, and speculation draws in another order than plain "
+                    "decoding, so seeded texts may differ; each is still a sample of "
+                    "the target's distribution).")
     spec = json.loads(config["speculative_config"])
     return "\n".join([
         table(["concurrency", "requests", "ok", "cancelled", "errors", "lost", "structured",
@@ -447,6 +453,36 @@ def soak_gpu(doc: Doc) -> str:
          f"{' '.join(config['server_args'])}, V2 runner with CUDA graphs, "
          f"{data['engine_steps']} engine steps in all. {compared} "
          f"Source: {doc.link(SOAK_GPU)}."),
+    ])
+
+
+@renderer("mla-attention")
+def mla_attention(doc: Doc) -> str:
+    """bench_mla_attention.py: the tree kernel's time over the decode kernel's, every size."""
+    data = load(MLA_ATTENTION)
+    results = {(r["context"], r["batch"], r["budget"]): r for r in data["results"]}
+    budgets = sorted({k[2] for k in results})
+    rows = []
+    for context, batch in sorted({k[:2] for k in results}):
+        cells = []
+        for budget in budgets:
+            r = results[context, batch, budget]
+            cells += [f"{r['decode_ms']:.3f}", f"{r['ratio']:.2f}"]
+        rows.append([str(context), str(batch), *cells])
+    header = ["context", "batch"]
+    for budget in budgets:
+        header += [f"B={budget}: decode ms", "tree ÷ decode"]
+    by_budget = data["summary"]["median_ratio_by_budget"]
+    worst = max(r["max_abs_diff"] for r in results.values())
+    return "\n".join([
+        table(header, rows),
+        "",
+        (f"Median tree ÷ decode over every size: {x(data['summary']['median_ratio'])}; by "
+         f"budget: " + ", ".join(f"B={b} {x(v)}" for b, v in by_budget.items()) + ". "
+         f"Largest difference from the torch twin: {worst:.2g}. {data['device']}, "
+         f"{data['dtype']}, {data['heads']} heads, latent {data['rank']} + {data['rope']}, "
+         f"{data['page_size']}-token pages, {data['timing']}. "
+         f"Source: {doc.link(MLA_ATTENTION)}."),
     ])
 
 

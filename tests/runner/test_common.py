@@ -184,6 +184,16 @@ def test_runner_warms_up_every_target_layer_shape(monkeypatch):
         (4, 8, 0.5, True)]  # target only
     assert (dtype, width, tuple(packed.shape)) == (torch.bfloat16, 5, (1, 5, 1))
 
+    # An MLA target (one latent cache per layer, its own kernel): the step kernels
+    # warm up, the dense tree attention's warm-up is not given its cache.
+    context = runner.compilation_config.static_forward_context
+    context["model.layers.0.attn"].impl = SimpleNamespace(
+        num_heads=4, head_size=576, scale=0.5, kv_lora_rank=512)
+    messages = []
+    monkeypatch.setattr(common.logger, "warning", lambda msg, *a: messages.append(msg % a))
+    common.warm_up_kernels(runner)
+    assert len(steps) == 3 and len(attention) == 1 and messages == []
+
 
 @pytest.mark.skipif(not torch.cuda.is_available()
                     and os.environ.get("TRITON_INTERPRET", "0") != "1",

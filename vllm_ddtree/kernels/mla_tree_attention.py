@@ -112,8 +112,7 @@ def mla_tree_attention_triton(
         mask.stride(1) if tree_mask is not None else 0,
         out.stride(0), out.stride(1), lse.stride(0),
         num_heads, num_reqs, scale,
-        RANK=rank, RANK_PAD=triton.next_power_of_2(rank),
-        ROPE=rope, ROPE_PAD=triton.next_power_of_2(rope),
+        RANK=rank, RANK_PAD=dot_width(rank), ROPE=rope, ROPE_PAD=dot_width(rope),
         PAGE_SIZE=kv_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_MASK=tree_mask is not None, PREFIX_GIVEN=prefix_out is not None,
         PREFIX_KEYS=prefix_keys, SPLIT=num_splits > 1,
@@ -125,6 +124,12 @@ def mla_tree_attention_triton(
         lse = torch.logsumexp(part_lse * LN2, dim=0).T.contiguous()
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     return out, lse
+
+
+def dot_width(n: int) -> int:
+    """A tile width for ``n`` columns that ``tl.dot`` takes on a GPU: a power of two, at
+    least 16 (the reduction size of its smallest MMA; the interpreter does not check)."""
+    return max(16, triton.next_power_of_2(n))
 
 
 LN2 = 0.6931471805599453

@@ -289,16 +289,20 @@ def warm_up_kernels(runner: GPUModelRunner) -> None:
             v2_inputs=state.v2_inputs,
         )
         context = runner.compilation_config.static_forward_context
-        warm_up_tree_attention(
-            [AttentionShape(impl.num_heads, impl.head_size, impl.scale, kv_cache,
-                            flash_prefix=takes_prefix_on_flash_attn(impl, runner.dtype))
-             for group in groups
-             for name, kv_cache in zip(group.layer_names, group.kv_caches)
-             for impl in [context[name].impl]],
-            runner.dtype, state.ddtree.verify_width,
-            packed_view(state.mask_buffer, 1, state.ddtree.verify_width),
-            runner.max_num_reqs,
-        )
+        # The dense layers' tree attention; an MLA layer's kernel (one latent cache,
+        # kernels/mla_tree_attention.py) compiles at its first use or graph capture.
+        layers = [AttentionShape(impl.num_heads, impl.head_size, impl.scale, kv_cache,
+                                 flash_prefix=takes_prefix_on_flash_attn(impl, runner.dtype))
+                  for group in groups
+                  for name, kv_cache in zip(group.layer_names, group.kv_caches)
+                  for impl in [context[name].impl]
+                  if getattr(impl, "kv_lora_rank", None) is None]
+        if layers:
+            warm_up_tree_attention(
+                layers, runner.dtype, state.ddtree.verify_width,
+                packed_view(state.mask_buffer, 1, state.ddtree.verify_width),
+                runner.max_num_reqs,
+            )
     except Exception as exc:  # noqa: BLE001 (compiling ahead is an optimization: go on)
         logger.warning(
             "DDTree kernel warm-up failed (%s: %s); the step kernels will compile at "
