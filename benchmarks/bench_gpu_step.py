@@ -5,7 +5,11 @@ and torch.compile as vLLM sets them by default, bf16, dummy weights:
 
 - target: a Qwen3-8B-shaped model (36 layers, hidden 4096, 32/8 heads of 128,
   vocabulary 151936); drafter: a z-lab-layout DFlash drafter for it (5 layers, block 16).
-  Only config.json files are written (`load_format="dummy"`), so no hub is needed.
+  With `--shape kimi-k2.6`: Kimi K2.6's text model at full width (MLA, 384 routed
+  experts, vocabulary 163840), its first (dense) layer and `--moe-layers` MoE layers
+  (2: about 69 GiB in bf16, an H200), and a drafter in the shape of the public Kimi
+  DFlash drafters (6 layers, 8 KV heads of 128, block 8, YaRN), fed by every target
+  layer. Only config.json files are written (`load_format="dummy"`), so no hub is needed.
 - runs: plain decoding and vLLM's native DFlash chain (15 drafts) on the V1 and the V2
   model runner, DDTree at each budget on V1 (the runner the plugin uses by default)
   and, with `--ddtree-runners v1,v2`, on V2 too; each engine
@@ -22,6 +26,7 @@ With dummy weights almost nothing is accepted, so these are costs per step, not 
     python benchmarks/bench_gpu_step.py                 # full plan (20-30 min on an H200)
     python benchmarks/bench_gpu_step.py --quick         # batch 1 and 8, budgets 16 and 64
     python benchmarks/bench_gpu_step.py --dry-run       # plan + synthetic table, no vLLM/CUDA
+    python benchmarks/bench_gpu_step.py --shape kimi-k2.6 --budgets 8,16,32 --runners v2
 """
 
 from __future__ import annotations
@@ -69,6 +74,35 @@ QWEN3_8B_SHAPE: dict[str, Any] = {
 }
 MASK_TOKEN_ID, TARGET_LAYER_IDS = 151669, [1, 9, 17, 25, 33]
 PROMPT_TOKEN_MAX = 151643  # ids below Qwen3's special tokens
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A target and its drafter as config.json files (vLLM fills dummy weights)."""
+
+    name: str
+    title: str  # the table's heading
+    vocab: int
+    layers: int  # the target's
+    block_size: int  # the drafter's
+    prompt_token_max: int  # prompts draw ids below this
+    engine_kw: tuple[tuple[str, Any], ...] = ()  # further LLM(...) arguments
+    moe_layers: int = 0  # Kimi: MoE layers after the first, dense one
+
+
+QWEN3_8B = Shape("qwen3-8b", "Qwen3-8B shape", VOCAB, LAYERS, BLOCK_SIZE, PROMPT_TOKEN_MAX)
+KIMI_VOCAB, KIMI_BLOCK = 163840, 8
+KIMI_DRAFTER = {"num_layers": 6, "num_heads": 64, "num_kv_heads": 8, "head_dim": 128,
+                "intermediate_size": 18432, "mask_token_id": 163838}  # z-lab's Kimi drafters
+
+
+def kimi_shape(moe_layers: int) -> Shape:
+    return Shape("kimi-k2.6", f"Kimi K2.6 shape (1 dense + {moe_layers} MoE layers)",
+                 KIMI_VOCAB, 1 + moe_layers, KIMI_BLOCK, KIMI_VOCAB - 256,
+                 (("language_model_only", True),), moe_layers)
+
+
+SHAPES = ("qwen3-8b", "kimi-k2.6")
 MAX_CAPTURE = 4096  # largest CUDA-graph size (tokens) captured by default
 # ddtree-triton / ddtree-flash: DDTree with ddtree_prefix_attention "triton" (the tree
 # kernel alone) / "flash_attn" (FlashAttention 3 over the prefix at every batch), to
@@ -109,6 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "plugin's default on vLLM 0.33 with CUDA) and/or v1")
     p.add_argument("--methods", type=name_list, default=["plain", "chain", "ddtree"],
                    help=f"subset of {','.join(METHODS)} (to split a long run)")
+    p.add_argument("--shape", choices=SHAPES, default="qwen3-8b",
+                   help="target and drafter to time (module docstring)")
+    p.add_argument("--moe-layers", type=int, default=2,
+                   help="kimi-k2.6: MoE layers after the dense one (2 needs an H200)")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--short-len", type=int, default=None, help="new tokens, short call (32)")
     p.add_argument("--long-len", type=int, default=None, help="new tokens, long call (160)")
@@ -139,6 +177,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def resolve_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Fill what --quick changes, then reject values the plan cannot use."""
     quick = args.quick
+    if args.moe_layers < 1:
+        p.error(f"--moe-layers {args.moe_layers}: need >= 1")
+    args.shape = QWEN3_8B if args.shape == "qwen3-8b" else kimi_shape(args.moe_layers)
+    if args.shape.name == "kimi-k2.6" and not args.no_tree_ops:
+        # bench_tree_ops times a dense KV cache's compaction, not MLA's latent one.
+        args.no_tree_ops = True
     args.batches = args.batches or ([1, 8] if quick else [1, 8, 32])
     args.budgets = args.budgets or ([16, 64] if quick else [16, 32, 64, 128, 256])
     args.short_len = args.short_len or (16 if quick else 32)
@@ -156,7 +200,7 @@ def resolve_defaults(p: argparse.ArgumentParser, args: argparse.Namespace) -> ar
     if min(args.batches) < 1 or min(args.budgets) < 1 or args.prompt_len < 1:
         p.error("batches, budgets and --prompt-len must be >= 1")
     # Room for the prompt, the long output and the widest verify step's lookahead slots.
-    need = args.prompt_len + args.long_len + max(args.budgets) + BLOCK_SIZE + 1
+    need = args.prompt_len + args.long_len + max(args.budgets) + args.shape.block_size + 1
     args.max_model_len = args.max_model_len or max(4096, -(-need // 1024) * 1024)
     if args.max_model_len < need:
         p.error(f"--max-model-len {args.max_model_len} < {need} (prompt + output + budget)")
@@ -173,6 +217,7 @@ class EngineRun:
     runner: str  # "v1" | "v2"
     method: str  # METHODS
     budget: int | None = None
+    block: int = BLOCK_SIZE  # the drafter's block size
 
     @property
     def name(self) -> str:
@@ -185,7 +230,7 @@ class EngineRun:
     def speculative_config(self, drafter: Path) -> dict[str, Any] | None:
         if self.method == "chain":  # the drafter's full block: bonus slot + 15 masks
             return {"method": "dflash", "model": str(drafter),
-                    "num_speculative_tokens": BLOCK_SIZE - 1}
+                    "num_speculative_tokens": self.block - 1}
         if self.method == "ddtree":
             return {"method": "ddtree", "model": str(drafter), "ddtree_budget": self.budget}
         if self.method in PREFIX_METHODS:
@@ -214,18 +259,19 @@ def merge_ops(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def plan_runs(args: argparse.Namespace) -> list[EngineRun]:
-    runs = [EngineRun(r, m) for r in args.runners for m in ("plain", "chain")
+    block = args.shape.block_size
+    runs = [EngineRun(r, m, block=block) for r in args.runners for m in ("plain", "chain")
             if m in args.methods]
     for method in ("ddtree", *PREFIX_METHODS):
         if method in args.methods:
-            runs += [EngineRun(r, method, b) for r in args.ddtree_runners
+            runs += [EngineRun(r, method, b, block) for r in args.ddtree_runners
                      for b in args.budgets]
     return runs
 
 
 def verify_width(run: EngineRun) -> int:
     """Query tokens per request in one verify step (the chain's is the drafter block)."""
-    return {"plain": 1, "chain": BLOCK_SIZE}.get(run.method, (run.budget or 0) + 1)
+    return {"plain": 1, "chain": run.block}.get(run.method, (run.budget or 0) + 1)
 
 
 def guess_step_ms(run: EngineRun, batch: int, runner_factor: float = 1.0) -> float:
@@ -263,8 +309,10 @@ def print_plan(runs: list[EngineRun], drafter: Path, args: argparse.Namespace) -
 # ----------------------------------------------------------------------- checkpoints
 
 
-def write_models(model_dir: Path) -> tuple[Path, Path]:
+def write_models(model_dir: Path, shape: Shape = QWEN3_8B) -> tuple[Path, Path]:
     """config.json-only target and drafter; vLLM fills the weights (load_format=dummy)."""
+    if shape.name == "kimi-k2.6":
+        return write_kimi_models(model_dir, shape)
     target = model_dir / "qwen3-8b-shape-dummy"
     drafter = model_dir / f"dflash-qwen3-8b-shape-b{BLOCK_SIZE}-dummy"  # "dflash" in the path
     target_cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
@@ -281,9 +329,26 @@ def write_models(model_dir: Path) -> tuple[Path, Path]:
     return target, drafter
 
 
-def make_prompts(batch: int, prompt_len: int) -> list[dict[str, list[int]]]:
+def write_kimi_models(model_dir: Path, shape: Shape) -> tuple[Path, Path]:
+    """Kimi K2.6's text model cut to ``shape.layers`` layers, and a drafter in the shape
+    of z-lab's Kimi drafters that reads every one of them (their six target layers
+    need a full-depth target)."""
+    from vllm_ddtree.checkpoints import mla, tiny
+
+    target = model_dir / f"kimi-k2.6-shape-{shape.layers}l-dummy"
+    drafter = model_dir / f"dflash-kimi-k2.6-shape-{shape.layers}l-b{shape.block_size}-dummy"
+    mla.make_kimi_k25_target(target, weights=False,
+                             **{**mla.KIMI_K2_TEXT, "num_hidden_layers": shape.layers})
+    tiny.make_dflash_drafter(drafter, target, shape.block_size, weights=False,
+                             target_layer_ids=list(range(shape.layers)),
+                             rope_scaling=mla.KIMI_K2_TEXT["rope_scaling"], **KIMI_DRAFTER)
+    return target, drafter
+
+
+def make_prompts(batch: int, prompt_len: int,
+                 token_max: int = PROMPT_TOKEN_MAX) -> list[dict[str, list[int]]]:
     """Distinct fixed-seed token-id prompts (vLLM's TokensPrompt is this dict)."""
-    return [{"prompt_token_ids": [random.Random(i).randrange(PROMPT_TOKEN_MAX)
+    return [{"prompt_token_ids": [random.Random(i).randrange(token_max)
                                   for _ in range(prompt_len)]} for i in range(batch)]
 
 
@@ -292,7 +357,7 @@ def make_prompts(batch: int, prompt_len: int) -> list[dict[str, list[int]]]:
 
 def measure_batch(run_call: Callable[[list[dict], int], Sample], run: EngineRun, batch: int,
                   args: argparse.Namespace) -> dict:
-    prompts = make_prompts(batch, args.prompt_len)
+    prompts = make_prompts(batch, args.prompt_len, args.shape.prompt_token_max)
     # Warm-up: first use of this batch's shapes, and it fills the prefix cache so both
     # timed calls prefill the same (cached) way; a second call runs that cached path
     # once untimed (its first use once cost a one-time 0.35 s in the short call of a
@@ -328,7 +393,8 @@ def make_engine(run: EngineRun, target: Path, drafter: Path, args: argparse.Name
         model=str(target), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=0, disable_log_stats=False, speculative_config=run.speculative_config(drafter))
+        seed=0, disable_log_stats=False, speculative_config=run.speculative_config(drafter),
+        **dict(args.shape.engine_kw))
     kwargs.update(scheduling_kwargs(args))
     if not args.all_capture_sizes:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(run, args)}
@@ -350,7 +416,7 @@ def capture_sizes(run: EngineRun, args: argparse.Namespace) -> list[int]:
     Capturing only these keeps each engine's start short; steps above
     MAX_CAPTURE tokens run the compiled model without graphs, as vLLM does
     past its own largest size."""
-    widths = {verify_width(run)} | ({BLOCK_SIZE} if run.speculative else set())
+    widths = {verify_width(run)} | ({run.block} if run.speculative else set())
     sizes = {w * b for w in widths for b in args.batches}
     return sorted(x for x in sizes if x <= MAX_CAPTURE) or [1]
 
@@ -451,7 +517,8 @@ def run_engine(run: EngineRun, target: Path, drafter: Path, args: argparse.Names
 def tree_ops_args(ops_bench, args: argparse.Namespace) -> argparse.Namespace:
     """bench_tree_ops's own arguments at this run's shapes."""
     return ops_bench.parse_args([
-        "--max-depth", str(BLOCK_SIZE - 1), "--vocab", str(VOCAB), "--layers", str(LAYERS),
+        "--max-depth", str(args.shape.block_size - 1), "--vocab", str(args.shape.vocab),
+        "--layers", str(args.shape.layers),
         "--context", str(args.prompt_len), "--page-size", "16",
         "--iters", str(args.tree_ops_iters)])
 
@@ -518,7 +585,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or (args.model_dir / "gpu_step_dry_run.json" if args.dry_run else DEFAULT_OUT)
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local paths only; never wait on a hub
-    target, drafter = write_models(args.model_dir)
+    target, drafter = write_models(args.model_dir, args.shape)
     log(f"target {target}\n          drafter {drafter}")
     runs = plan_runs(args)
     print_plan(runs, drafter, args)
@@ -545,7 +612,7 @@ def main(argv: list[str] | None = None) -> dict:
     save(out, args, records, ops_rows, env)
     title = "DRY RUN: synthetic numbers from a toy cost model, not measurements. " \
         if args.dry_run else ""
-    print(f"\n## {title}Step cost, Qwen3-8B shape, dummy weights, prompt {args.prompt_len}, "
+    print(f"\n## {title}Step cost, {args.shape.title}, dummy weights, prompt {args.prompt_len}, "
           f"{env['gpu'] or 'GPU ?'}, vLLM {env['vllm']}\n")
     print(step_table(records))
     if ops_rows:

@@ -107,7 +107,7 @@ def engine_args(batch: int, budget: int | None, prompt_len: int, steps: int) -> 
         batches=[batch], budgets=[budget or 16], max_model_len=prompt_len + 4 * steps * width + 64,
         gpu_memory_utilization=0.85, max_num_seqs=max(batch, 8),
         max_num_batched_tokens=max(8192, batch * width), sync_scheduling=True,
-        all_capture_sizes=False)
+        all_capture_sizes=False, shape=step_bench.QWEN3_8B)
 
 
 def device_time(event: Any, self_only: bool = False) -> float:

@@ -24,7 +24,8 @@ def sample(tokens: int, seconds: float) -> bench.Sample:
 def measure(pairs, lengths=None):
     calls = iter([p for pair in [(sample(16, 0.2), sample(48, 0.5))] + pairs for p in pair])
     run = bench.EngineRun("v1", "ddtree", 16)
-    args = SimpleNamespace(short_len=16, long_len=48, repeats=len(pairs), prompt_len=8)
+    args = SimpleNamespace(short_len=16, long_len=48, repeats=len(pairs), prompt_len=8,
+                           shape=bench.QWEN3_8B)
 
     def run_call(prompts, n):
         if lengths is not None:
@@ -90,7 +91,7 @@ def test_plugin_digest_names_the_code_not_the_checkout(tmp_path):
 
 def test_ddtree_runs_on_each_runner_asked_for():
     args = SimpleNamespace(runners=["v2"], ddtree_runners=["v1", "v2"],
-                           methods=["chain", "ddtree"], budgets=[16])
+                           methods=["chain", "ddtree"], budgets=[16], shape=bench.QWEN3_8B)
     assert [(r.runner, r.method, r.budget) for r in bench.plan_runs(args)] == [
         ("v2", "chain", None), ("v1", "ddtree", 16), ("v2", "ddtree", 16)]
 
@@ -100,7 +101,7 @@ def test_prefix_methods_pin_the_prefix_attention(tmp_path):
     'flash_attn', planned per budget next to the default's DDTree engines."""
     args = SimpleNamespace(runners=["v1"], ddtree_runners=["v1"],
                            methods=["plain", "ddtree", "ddtree-triton", "ddtree-flash"],
-                           budgets=[16, 32])
+                           budgets=[16, 32], shape=bench.QWEN3_8B)
     runs = bench.plan_runs(args)
     assert [(r.method, r.budget) for r in runs] == [
         ("plain", None), ("ddtree", 16), ("ddtree", 32), ("ddtree-triton", 16),
@@ -121,3 +122,45 @@ def test_scheduling_flags_set_every_engine_alike():
         "async_scheduling": True}
     with pytest.raises(SystemExit):
         bench.parse_args(["--sync-scheduling", "--async-scheduling"])
+
+
+def test_kimi_shape_plans_its_own_block_and_writes_a_kimi_pair(tmp_path):
+    """--shape kimi-k2.6: Kimi K2.6's text config at full width, cut to one dense and
+    --moe-layers MoE layers; a drafter of z-lab's Kimi shape reading every target
+    layer; the chain drafts block 8 - 1; no dense-cache tree-ops timing."""
+    import json
+
+    args = bench.parse_args(["--shape", "kimi-k2.6", "--moe-layers", "1", "--budgets",
+                             "8,16", "--batches", "1", "--runners", "v2",
+                             "--model-dir", str(tmp_path)])
+    assert (args.shape.layers, args.shape.block_size, args.no_tree_ops) == (2, 8, True)
+    runs = bench.plan_runs(args)
+    chain = next(r for r in runs if r.method == "chain")
+    assert chain.speculative_config(tmp_path)["num_speculative_tokens"] == 7
+    assert bench.verify_width(chain) == 8 and bench.capture_sizes(chain, args) == [8]
+    target, drafter = bench.write_models(tmp_path, args.shape)
+    text = json.loads((target / "config.json").read_text())["text_config"]
+    assert (text["num_hidden_layers"], text["first_k_dense_replace"]) == (2, 1)
+    assert (text["hidden_size"], text["n_routed_experts"], text["kv_lora_rank"]) == (
+        7168, 384, 512)
+    draft = json.loads((drafter / "config.json").read_text())
+    assert draft["dflash_config"] == {"mask_token_id": 163838, "target_layer_ids": [0, 1]}
+    assert (draft["num_hidden_layers"], draft["num_key_value_heads"], draft["block_size"],
+            draft["rope_scaling"]["factor"]) == (6, 8, 8, 64.0)
+    prompts = bench.make_prompts(2, 16, args.shape.prompt_token_max)
+    assert max(max(p["prompt_token_ids"]) for p in prompts) < 163840
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shape", "kimi-k2.6", "--moe-layers", "0"])
+
+
+def test_kimi_dry_run_writes_its_table(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "kimi.json"
+    bench.main(["--dry-run", "--shape", "kimi-k2.6", "--budgets", "8", "--batches", "1",
+                "--runners", "v2", "--model-dir", str(tmp_path), "--out", str(out)])
+    assert "Kimi K2.6 shape (1 dense + 2 MoE layers)" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert {(r["method"], r["budget"]) for r in saved["runs"]} == {
+        ("plain", None), ("chain", None), ("ddtree", 8)}
+    assert saved["tree_ops"] == []
