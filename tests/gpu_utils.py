@@ -46,6 +46,37 @@ def gpu_llm(model, speculative_config=None, *, graphs: bool, **kw):
     )
 
 
+def greedy_gaps(llm, ids, outputs) -> list[list[float]]:
+    """For each output token, how far its log-probability falls below the best token's
+    when the target reads the prompt and the output before it in one prefill
+    (``prompt_logprobs``). Greedy decoding's gaps are 0 up to one forward pass's
+    rounding, whatever came before: unlike a comparison with a reference text, a
+    rounding flip early on does not carry into every later token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    results = llm.generate(
+        [{"prompt_token_ids": [*p, *o]} for p, o in zip(ids, outputs, strict=True)],
+        params, use_tqdm=False)
+    gaps = []
+    for p, o, result in zip(ids, outputs, results, strict=True):
+        row = []
+        for i, token in enumerate(o):
+            entry = result.prompt_logprobs[len(p) + i]
+            row.append(max(lp.logprob for lp in entry.values()) - entry[token].logprob)
+        gaps.append(row)
+    return gaps
+
+
+def assert_each_token_near_greedy(gaps: list[list[float]], near_tie: float) -> None:
+    """Every token of every output within ``near_tie`` of the target's best (greedy_gaps)."""
+    worst = max((g, s, i) for s, row in enumerate(gaps) for i, g in enumerate(row))
+    print(f"largest gap from the greedy token: {worst[0]:.3g} (sequence {worst[1]}, "
+          f"token {worst[2]})")
+    assert worst[0] <= near_tie, (
+        f"sequence {worst[1]}, token {worst[2]}: {worst[0]:.3g} below the target's best")
+
+
 def greedy_with_top2(llm, prompts):
     """(token ids, per-token {token: logprob} of the two best) for each prompt."""
     from vllm import SamplingParams
