@@ -12,6 +12,10 @@ replays (median ms):
           ``decode_attention_fwd`` with per-row causal extents (``--no-decode`` skips it,
           and it is skipped where vLLM's Triton kernels are not importable).
 
+``--variants 16x2,32x8`` also times the tree kernel at other tilings (keys per tile x
+programs per SM that split-KV aims at; the kernel's default is 16x2), each with its own
+ratio and median, to choose the default from.
+
 ``--check`` also compares the tree kernel with its torch twin
 (ops/mla_attention.mla_tree_attention) on every case, largest absolute difference in
 the table. Prints a table and writes JSON (``--out``). The issue's bar: tree <= 1.2x
@@ -36,7 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_tree_attention import bench, int_list, random_tree_mask
 
-from vllm_ddtree.kernels.mla_tree_attention import mla_tree_attention_triton
+from vllm_ddtree.kernels.mla_tree_attention import (
+    BLOCK_N,
+    WAVES,
+    mla_tree_attention_triton,
+)
 from vllm_ddtree.ops.mla_attention import mla_tree_attention
 from vllm_ddtree.tensors import pack_tree_mask
 
@@ -56,9 +64,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--check", action="store_true", help="compare with the torch twin")
     p.add_argument("--no-decode", action="store_true", help="skip vLLM's decode kernel")
+    p.add_argument("--variants", type=variant_list, default=[],
+                   help="further tilings to time, BLOCK_NxWAVES, e.g. 32x2,16x8")
     p.add_argument("--rep-ms", type=int, default=30)
     p.add_argument("--out", default="benchmarks/results/mla_attention.json")
     return p.parse_args(argv)
+
+
+def variant_list(text: str) -> list[tuple[int, int]]:
+    """``"16x2,32x8"`` -> [(16, 2), (32, 8)]: keys per tile x programs per SM."""
+    try:
+        pairs = [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or p[0] < 16 or p[0] & (p[0] - 1) or p[1] < 1
+                        for p in pairs):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected BLOCK_NxWAVES items, BLOCK_N a power of two >= 16, "
+            "WAVES >= 1, e.g. 32x2,16x8")
+    return pairs
+
+
+def variant_name(block_n: int, waves: int) -> str:
+    return f"{block_n}x{waves}"
 
 
 def load_decode():
@@ -106,10 +134,10 @@ class Case:
         self.scale = (128 + args.rope) ** -0.5  # nope 128 + rope, as Kimi K2 and DSV3
         self.n, self.batch = n, batch
 
-    def tree(self, max_len: int):
+    def tree(self, max_len: int, **tiling):
         return mla_tree_attention_triton(
             self.q_nope, self.q_pe, self.kv_cache, self.block_table, self.seq_lens,
-            self.qsl, self.packed, self.scale, max_seq_len=max_len)[0]
+            self.qsl, self.packed, self.scale, max_seq_len=max_len, **tiling)[0]
 
     def decode_call(self, decode, args):
         """TRITON_MLA's call for a causal chain of the same rows: one row per query,
@@ -146,9 +174,15 @@ def run(args) -> list[dict]:
                 case = Case(args, context, batch, budget + 1, seed=budget)
                 row = {"context": context, "batch": batch, "budget": budget,
                        "tree_ms": bench(lambda c=case: c.tree(args.max_len), args.rep_ms)}
+                for block_n, waves in args.variants:
+                    row.setdefault("variants", {})[variant_name(block_n, waves)] = bench(
+                        lambda c=case, b=block_n, w=waves: c.tree(args.max_len, block_n=b,
+                                                                  waves=w), args.rep_ms)
                 if decode is not None:
                     row["decode_ms"] = bench(case.decode_call(decode, args), args.rep_ms)
                     row["ratio"] = row["tree_ms"] / row["decode_ms"]
+                    row["variant_ratios"] = {name: ms / row["decode_ms"]
+                                             for name, ms in row.get("variants", {}).items()}
                 if args.check:
                     want, _ = mla_tree_attention(case.q_nope, case.q_pe, case.kv_cache,
                                                  case.block_table, case.seq_lens, case.qsl,
@@ -159,7 +193,10 @@ def run(args) -> list[dict]:
                 print(f"{context:>7} {batch:>5} {budget:>6} {row['tree_ms']:>8.3f} "
                       f"{row.get('decode_ms', float('nan')):>9.3f} "
                       f"{row.get('ratio', float('nan')):>6.2f} "
-                      f"{row.get('max_abs_diff', float('nan')):>10.2e}", flush=True)
+                      f"{row.get('max_abs_diff', float('nan')):>10.2e}"
+                      + "".join(f"  {name} {ratio:.2f}"
+                                for name, ratio in row.get("variant_ratios", {}).items()),
+                      flush=True)
                 save(args, rows)  # partial results survive a timeout
                 del case
                 torch.cuda.empty_cache()
@@ -175,7 +212,20 @@ def summary(rows: list[dict]) -> dict:
     for budget in sorted({r["budget"] for r in rows}):
         values = [r["ratio"] for r in rows if r["budget"] == budget and "ratio" in r]
         per_budget[str(budget)] = statistics.median(values)
-    return {"median_ratio": statistics.median(ratios), "median_ratio_by_budget": per_budget}
+    result = {"median_ratio": statistics.median(ratios), "median_ratio_by_budget": per_budget}
+    names = sorted({name for r in rows for name in r.get("variant_ratios", {})})
+    if names:  # each tiling's median, overall and per budget, beside the default's
+        result["variants"] = {
+            name: {"median_ratio": statistics.median(
+                       r["variant_ratios"][name] for r in rows if name in r.get(
+                           "variant_ratios", {})),
+                   "median_ratio_by_budget": {
+                       str(b): statistics.median(
+                           r["variant_ratios"][name] for r in rows
+                           if r["budget"] == b and name in r.get("variant_ratios", {}))
+                       for b in sorted({r["budget"] for r in rows})}}
+            for name in names}
+    return result
 
 
 def save(args, rows: list[dict]) -> None:
@@ -184,7 +234,7 @@ def save(args, rows: list[dict]) -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "heads": args.heads, "rank": args.rank, "rope": args.rope,
         "page_size": args.page_size, "dtype": args.dtype, "max_len": args.max_len,
-        "timing": "median CUDA-graph replay (ms)", "results": rows,
+        "default_tiling": variant_name(BLOCK_N, WAVES), "timing": "median CUDA-graph replay (ms)", "results": rows,
         "summary": summary(rows),
     }, indent=1) + "\n")
 

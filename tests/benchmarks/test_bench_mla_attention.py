@@ -30,3 +30,17 @@ def test_needs_a_gpu():
         pytest.skip("has a GPU")
     with pytest.raises(SystemExit, match="CUDA"):
         bench.main([])
+
+
+def test_variants_are_tilings_with_their_own_medians():
+    assert bench.parse_args(["--variants", "32x2,16x8"]).variants == [(32, 2), (16, 8)]
+    for bad in ("8x2", "24x2", "32", "32x0", "axb"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--variants", bad])
+    rows = [{"budget": 16, "ratio": 1.4, "variant_ratios": {"32x8": 1.0}},
+            {"budget": 16, "ratio": 1.6, "variant_ratios": {"32x8": 1.2}},
+            {"budget": 64, "ratio": 1.0, "variant_ratios": {"32x8": 0.9}}]
+    assert bench.summary(rows)["variants"] == {
+        "32x8": {"median_ratio": 1.0,
+                 "median_ratio_by_budget": {"16": 1.1, "64": 0.9}}}
+    assert "variants" not in bench.summary([{"budget": 16, "ratio": 1.0}])

@@ -32,7 +32,7 @@ def to_device(batch):
     return batch
 
 
-def run_kernel(batch, mask, prefix: str, max_seq_len: int | None = None):
+def run_kernel(batch, mask, prefix: str, max_seq_len: int | None = None, **tiling):
     """prefix: "given" (the twin's prefix pass, resumed), "computed" (attended by the
     kernel) or "none" (the tree keys alone); ``max_seq_len`` lets the kernel split long
     prefixes."""
@@ -42,7 +42,7 @@ def run_kernel(batch, mask, prefix: str, max_seq_len: int | None = None):
     out, lse = mla_tree_attention_triton(
         batch.q_absorbed, batch.q_pe, batch.kv_cache, batch.block_table, batch.seq_lens,
         batch.query_start_loc, mask, batch.dims.scale, "tree" if prefix == "none" else "all",
-        prefix_out, prefix_lse, max_seq_len)
+        prefix_out, prefix_lse, max_seq_len, **tiling)
     return out.cpu(), lse.cpu()
 
 
@@ -82,10 +82,12 @@ def test_tree_keys_alone_and_the_kimi_latent(dtype):
         torch.testing.assert_close(lse, want_lse.cpu(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("max_seq_len", [None, 1024, 8192])
-def test_split_prefixes_merge_to_one_pass(max_seq_len):
+@pytest.mark.parametrize("max_seq_len,tiling", [
+    (None, {}), (1024, {}), (8192, {}), (8192, {"block_n": 32, "waves": 8})])
+def test_split_prefixes_merge_to_one_pass(max_seq_len, tiling):
     """A long prefix cut into KV splits (none without a bound, some, more than the
-    prefix has tiles: empty splits), the tree keys in the last split, merged by LSE."""
+    prefix has tiles: empty splits), the tree keys in the last split, merged by LSE;
+    wider key tiles and more splits alike."""
     from vllm_ddtree.kernels.mla_tree_attention import choose_mla_splits
 
     trees = random_trees([17, 5, 8], 15, seed=11)
@@ -93,9 +95,11 @@ def test_split_prefixes_merge_to_one_pass(max_seq_len):
     batch = to_device(make_latent_batch(query_lens, [700, 0, 1], ODD, torch.float32, 11,
                                         page_size=16, strided=True))
     mask = padded_tree_mask(trees, max(query_lens), 11).to(DEVICE)
-    splits = choose_mla_splits(batch.q_pe.shape[0], max_seq_len, DEVICE, 16)
+    splits = choose_mla_splits(batch.q_pe.shape[0], max_seq_len, DEVICE, **tiling)
     assert (splits > 1) == (max_seq_len is not None)
-    out, lse = run_kernel(batch, mask, "computed", max_seq_len)
+    if tiling:
+        assert splits > choose_mla_splits(batch.q_pe.shape[0], max_seq_len, DEVICE)
+    out, lse = run_kernel(batch, mask, "computed", max_seq_len, **tiling)
     for name in ("q_absorbed", "q_pe", "kv_cache"):
         setattr(batch, name, getattr(batch, name).cpu())
     assert_matches_expanded_oracle(batch, trees, out, lse)
@@ -108,6 +112,12 @@ def test_no_mask_is_a_chain():
         out, lse = run_kernel(batch, None, prefix)
         torch.testing.assert_close(out, want_out.cpu(), atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(lse, want_lse.cpu(), atol=2e-5, rtol=2e-5)
+
+
+def test_tiles_narrower_than_an_mma_are_refused():
+    batch = to_device(make_latent_batch([2], [3], ODD, torch.float32, 3))
+    with pytest.raises(ValueError, match="block_n=8"):
+        run_kernel(batch, None, "computed", block_n=8)
 
 
 def test_mismatched_prefix_arguments_are_refused():

@@ -43,6 +43,9 @@ from vllm_ddtree.tensors import pack_tree_mask
 
 __all__ = ["mla_tree_attention_triton"]
 
+# The tiling: keys per tile, and the programs per SM that split-KV aims at.
+BLOCK_N, WAVES = 16, 2
+
 
 def mla_tree_attention_triton(
     q_nope: torch.Tensor,  # [num_tokens, num_heads, kv_lora_rank], W_UK absorbed
@@ -57,10 +60,14 @@ def mla_tree_attention_triton(
     prefix_out: torch.Tensor | None = None,  # [num_tokens, num_heads, kv_lora_rank]
     prefix_lse: torch.Tensor | None = None,  # [num_heads, >= num_tokens] float32
     max_seq_len: int | None = None,  # bound on seq_lens: sizes the KV splits
+    *,
+    block_n: int = BLOCK_N,  # keys per tile
+    waves: int = WAVES,  # split-KV aims at this many programs per SM
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out like q_nope, lse [num_heads, num_tokens]
     """Each verify row's latent attention (module docstring). With ``prefix_out`` and
     ``prefix_lse`` (``keys="all"`` only) the prefix's attention is resumed, not
-    recomputed, and the result is written into them, which are returned."""
+    recomputed, and the result is written into them, which are returned. ``block_n``
+    and ``waves`` tune the tiling (benchmarks/bench_mla_attention.py --variants)."""
     require_triton_device(q_nope, "mla_tree_attention_triton", "mla_tree_attention")
     num_tokens, num_heads, rank = q_nope.shape
     rope = q_pe.shape[-1]
@@ -88,11 +95,13 @@ def mla_tree_attention_triton(
     rows = torch.arange(num_tokens, device=q_nope.device, dtype=query_start_loc.dtype)
     token_req = torch.searchsorted(query_start_loc[1:].contiguous(), rows, right=True)
     mask = tree_mask if tree_mask is not None else token_req  # unread without a mask
-    block_h, block_n = 16, 16
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n}: expected a power of two >= 16")
+    block_h = 16
     head_blocks = triton.cdiv(num_heads, block_h)
     prefix_keys = keys == "all" and prefix_out is None
     num_splits = choose_mla_splits(num_tokens * head_blocks, max_seq_len, q_nope.device,
-                                   block_n) if prefix_keys else 1
+                                   block_n, waves) if prefix_keys else 1
     part_out = part_lse = None
     if num_splits > 1:
         part_out = torch.empty(num_splits, num_tokens, num_heads, rank, dtype=torch.float32,
@@ -136,12 +145,12 @@ LN2 = 0.6931471805599453
 
 
 def choose_mla_splits(programs: int, max_seq_len: int | None, device: torch.device,
-                      block_n: int) -> int:
-    """KV splits per row: enough programs for two waves over the SMs, none shorter than
-    16 key tiles; 1 without a bound on the prefix."""
+                      block_n: int = BLOCK_N, waves: int = WAVES) -> int:
+    """KV splits per row: enough programs for ``waves`` per SM, none shorter than 16
+    key tiles; 1 without a bound on the prefix."""
     if not max_seq_len:
         return 1
-    wanted = triton.cdiv(2 * sm_count(device), max(1, programs))
+    wanted = triton.cdiv(waves * sm_count(device), max(1, programs))
     return max(1, min(wanted, max_seq_len // (16 * block_n), 64))
 
 
