@@ -456,26 +456,31 @@ def soak_gpu(doc: Doc) -> str:
     ])
 
 
+def size_grid(results: list[dict],
+              columns: list[tuple[str, Callable[[dict], str]]]) -> str:
+    """An attention benchmark's sizes as a table: a row per (context, batch), the
+    ``columns`` (name, cell of a result) once per budget."""
+    by_size = {(r["context"], r["batch"], r["budget"]): r for r in results}
+    budgets = sorted({k[2] for k in by_size})
+    header = ["context", "batch", *(f"B={budget}: {name}" if i == 0 else name
+                                    for budget in budgets
+                                    for i, (name, _) in enumerate(columns))]
+    rows = [[str(context), str(batch), *(cell(by_size[context, batch, budget])
+                                         for budget in budgets for _, cell in columns)]
+            for context, batch in sorted({k[:2] for k in by_size})]
+    return table(header, rows)
+
+
 @renderer("mla-attention")
 def mla_attention(doc: Doc) -> str:
     """bench_mla_attention.py: the tree kernel's time over the decode kernel's, every size."""
     data = load(MLA_ATTENTION)
-    results = {(r["context"], r["batch"], r["budget"]): r for r in data["results"]}
-    budgets = sorted({k[2] for k in results})
-    rows = []
-    for context, batch in sorted({k[:2] for k in results}):
-        cells = []
-        for budget in budgets:
-            r = results[context, batch, budget]
-            cells += [f"{r['decode_ms']:.3f}", f"{r['ratio']:.2f}"]
-        rows.append([str(context), str(batch), *cells])
-    header = ["context", "batch"]
-    for budget in budgets:
-        header += [f"B={budget}: decode ms", "tree ÷ decode"]
+    grid = size_grid(data["results"], [("decode ms", lambda r: f"{r['decode_ms']:.3f}"),
+                                       ("tree ÷ decode", lambda r: f"{r['ratio']:.2f}")])
     by_budget = data["summary"]["median_ratio_by_budget"]
-    worst = max(r["max_abs_diff"] for r in results.values())
+    worst = max(r["max_abs_diff"] for r in data["results"])
     return "\n".join([
-        table(header, rows),
+        grid,
         "",
         (f"Median tree ÷ decode over every size: {x(data['summary']['median_ratio'])}; by "
          f"budget: " + ", ".join(f"B={b} {x(v)}" for b, v in by_budget.items()) + ". "
@@ -490,23 +495,14 @@ def mla_attention(doc: Doc) -> str:
 def tree_attention(doc: Doc) -> str:
     """Tree attention over FlashAttention 3's causal attention, every measured size."""
     data = load(TREE_ATTENTION)
-    results = {(r["context"], r["batch"], r["budget"]): r for r in data["results"]}
-    budgets = sorted({k[2] for k in results})
-    rows = []
-    for context, batch in sorted({k[:2] for k in results}):
-        cells = []
-        for budget in budgets:
-            r = results[context, batch, budget]
-            cells += [f"{r['fa3_ms']:.4f}", f"{r['split_ms'] / r['fa3_ms']:.2f}",
-                      f"{r['tree_ms'] / r['fa3_ms']:.2f}"]
-        rows.append([str(context), str(batch), *cells])
-    header = ["context", "batch"]
-    for budget in budgets:
-        header += [f"B={budget}: FA3 ms", "split ÷ FA3", "tree ÷ FA3"]
-    best = [min(r["tree_ms"], r["split_ms"]) / r["fa3_ms"] for r in results.values()]
+    grid = size_grid(data["results"], [
+        ("FA3 ms", lambda r: f"{r['fa3_ms']:.4f}"),
+        ("split ÷ FA3", lambda r: f"{r['split_ms'] / r['fa3_ms']:.2f}"),
+        ("tree ÷ FA3", lambda r: f"{r['tree_ms'] / r['fa3_ms']:.2f}")])
+    best = [min(r["tree_ms"], r["split_ms"]) / r["fa3_ms"] for r in data["results"]]
     within = sum(b <= 1.2 for b in best)
     return "\n".join([
-        table(header, rows),
+        grid,
         "",
         (f"The faster of split and tree is within 1.2x of FlashAttention 3 at {within} of "
          f"{len(best)} sizes (largest {x(max(best))}; median {x(statistics.median(best))}). "
