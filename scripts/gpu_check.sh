@@ -151,10 +151,12 @@ fi
 if [ "$what" = soak-replay ]; then
   # SOAK_REPLAY: an earlier `soak` call's JSON, carried with its .texts.json (e.g. in
   # .soak/); a plain server replays its T=0 and seeded requests.
+  # Below float32 the texts are compared and counted, not required to match.
   serving_kit
   target=$(real_target) || exit 3
+  mismatch=""; [ "${SOAK_DTYPE:-float32}" = float32 ] || mismatch="--mismatch-ok"
   TRITON_F32_DEFAULT=ieee timeout "${SOAK_TIMEOUT:-540}" python3 benchmarks/soak_server.py \
-    --replay "$SOAK_REPLAY" --serve "$target" --model smollm2 --reference-concurrency 64 \
+    --replay "$SOAK_REPLAY" --serve "$target" --model smollm2 --reference-concurrency 64 $mismatch \
     --out "$out/${SOAK_STEM:-soak_h200}.json" --server-args $soak_server_args 2>&1 \
     | tee "$out/soak.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer" | tail -40
   rc=${PIPESTATUS[0]}; echo "soak-replay exit code: $rc"
