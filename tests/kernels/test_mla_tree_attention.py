@@ -131,3 +131,11 @@ def test_mismatched_prefix_arguments_are_refused():
         mla_tree_attention_triton(batch.q_absorbed, batch.q_pe, batch.kv_cache,
                                   batch.block_table, batch.seq_lens, batch.query_start_loc,
                                   None, 1.0, "tree", out, torch.zeros(ODD.num_heads, 4))
+
+
+def test_dot_widths_reach_the_smallest_mma():
+    """sm90 refuses a tl.dot reducing over fewer than 16 columns (the interpreter does
+    not): the rope part of a tiny test model, 8 wide, pads to 16."""
+    from vllm_ddtree.kernels.mla_tree_attention import dot_width
+
+    assert [dot_width(n) for n in (1, 8, 16, 17, 64, 512)] == [16, 16, 16, 32, 64, 512]
