@@ -27,7 +27,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e_utils import PROMPTS, greedy
+from tests import scripted_drafter
+from tests.e2e_utils import PROMPTS, greedy, prompt_ids
 from tests.engine.test_mla import TARGETS
 from tests.gpu.test_e2e_v2 import _has_v2_runner
 from tests.gpu_utils import (
@@ -37,7 +38,6 @@ from tests.gpu_utils import (
     assert_each_token_near_greedy,
     gpu_llm,
     greedy_gaps,
-    reference_then_ddtree,
     shutdown,
 )
 from vllm_ddtree.checkpoints import mla
@@ -80,16 +80,22 @@ def test_mla_greedy_matches_plain_bf16(monkeypatch, tmp_path, capfd, target, blo
     config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
               "ddtree_topk_cap": 4}
     kw = {"graphs": graphs, "dtype": "bfloat16", "attention_backend": backend, **engine_kw}
-    ids, reference, got = reference_then_ddtree(path, PROMPTS, config, monkeypatch,
-                                                tmp_path, **kw)
-    assert backend in "".join(capfd.readouterr())
-    identical = sum(g == r[0] for g, r in zip(got, reference, strict=True))
-    print(f"identical to plain decoding: {identical}/{len(PROMPTS)}")
-    llm = gpu_llm(path, **kw)
+    plain = gpu_llm(path, **kw)  # the reference, the drafts' script, then the judge
     try:
-        gaps = greedy_gaps(llm, ids, got)
+        ids = prompt_ids(plain, PROMPTS)
+        reference = greedy(plain, PROMPTS, MAX_TOKENS)
+        scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, reference)))
+        llm = gpu_llm(path, config, **kw)
+        try:
+            got = greedy(llm, PROMPTS, MAX_TOKENS)
+        finally:
+            shutdown(llm)
+        gaps = greedy_gaps(plain, ids, got)
     finally:
-        shutdown(llm)
+        shutdown(plain)
+    assert backend in "".join(capfd.readouterr())
+    identical = sum(g == r for g, r in zip(got, reference, strict=True))
+    print(f"identical to plain decoding: {identical}/{len(PROMPTS)}")
     assert [len(row) for row in gaps] == [MAX_TOKENS] * len(PROMPTS)
     assert_each_token_near_greedy(gaps, BF16_NEAR_TIE)
 
