@@ -87,7 +87,6 @@ class Shape:
     block_size: int  # the drafter's
     prompt_token_max: int  # prompts draw ids below this
     engine_kw: tuple[tuple[str, Any], ...] = ()  # further LLM(...) arguments
-    moe_layers: int = 0  # Kimi: MoE layers after the first, dense one
 
 
 QWEN3_8B = Shape("qwen3-8b", "Qwen3-8B shape", VOCAB, LAYERS, BLOCK_SIZE, PROMPT_TOKEN_MAX)
@@ -99,7 +98,7 @@ KIMI_DRAFTER = {"num_layers": 6, "num_heads": 64, "num_kv_heads": 8, "head_dim":
 def kimi_shape(moe_layers: int) -> Shape:
     return Shape("kimi-k2.6", f"Kimi K2.6 shape (1 dense + {moe_layers} MoE layers)",
                  KIMI_VOCAB, 1 + moe_layers, KIMI_BLOCK, KIMI_VOCAB - 256,
-                 (("language_model_only", True),), moe_layers)
+                 (("language_model_only", True),))
 
 
 SHAPES = ("qwen3-8b", "kimi-k2.6")

@@ -43,6 +43,7 @@ from bench_tree_attention import bench, int_list, random_tree_mask
 from vllm_ddtree.kernels.mla_tree_attention import (
     BLOCK_N,
     WAVES,
+    check_tiling,
     mla_tree_attention_triton,
 )
 from vllm_ddtree.ops.mla_attention import mla_tree_attention
@@ -72,16 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def variant_list(text: str) -> list[tuple[int, int]]:
-    """``"16x2,32x8"`` -> [(16, 2), (32, 8)]: keys per tile x programs per SM."""
+    """``"16x2,32x8"`` -> [(16, 2), (32, 8)]: keys per tile x programs per SM, each
+    checked as the kernel checks its tiling."""
     try:
         pairs = [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
-    except ValueError:
-        pairs = []
-    if not pairs or any(len(p) != 2 or p[0] < 16 or p[0] & (p[0] - 1) or p[1] < 1
-                        for p in pairs):
+        if not pairs or any(len(p) != 2 for p in pairs):
+            raise ValueError("no BLOCK_NxWAVES items")
+        for block_n, waves in pairs:
+            check_tiling(block_n, waves)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected BLOCK_NxWAVES items, BLOCK_N a power of two >= 16, "
-            "WAVES >= 1, e.g. 32x2,16x8")
+            f"{text!r}: expected BLOCK_NxWAVES items, e.g. 32x2,16x8 ({exc})") from exc
     return pairs
 
 
@@ -204,28 +206,26 @@ def run(args) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> dict:
-    """Median tree / decode ratio over the measured cases, overall and per budget."""
-    ratios = [r["ratio"] for r in rows if "ratio" in r]
-    if not ratios:
-        return {}
-    per_budget = {}
-    for budget in sorted({r["budget"] for r in rows}):
-        values = [r["ratio"] for r in rows if r["budget"] == budget and "ratio" in r]
-        per_budget[str(budget)] = statistics.median(values)
-    result = {"median_ratio": statistics.median(ratios), "median_ratio_by_budget": per_budget}
+    """Median tree / decode ratio over the measured cases, overall and per budget; the
+    same for each further tiling (``variants``)."""
+    result = medians(rows, lambda r: r.get("ratio"))
     names = sorted({name for r in rows for name in r.get("variant_ratios", {})})
-    if names:  # each tiling's median, overall and per budget, beside the default's
+    if result and names:
         result["variants"] = {
-            name: {"median_ratio": statistics.median(
-                       r["variant_ratios"][name] for r in rows if name in r.get(
-                           "variant_ratios", {})),
-                   "median_ratio_by_budget": {
-                       str(b): statistics.median(
-                           r["variant_ratios"][name] for r in rows
-                           if r["budget"] == b and name in r.get("variant_ratios", {}))
-                       for b in sorted({r["budget"] for r in rows})}}
+            name: medians(rows, lambda r, n=name: r.get("variant_ratios", {}).get(n))
             for name in names}
     return result
+
+
+def medians(rows: list[dict], ratio) -> dict:
+    """The median of ``ratio(row)`` over the rows that have one, overall and per budget."""
+    values = [(r["budget"], v) for r in rows if (v := ratio(r)) is not None]
+    if not values:
+        return {}
+    return {"median_ratio": statistics.median(v for _, v in values),
+            "median_ratio_by_budget": {
+                str(budget): statistics.median(v for b, v in values if b == budget)
+                for budget in sorted({b for b, _ in values})}}
 
 
 def save(args, rows: list[dict]) -> None:
@@ -234,7 +234,8 @@ def save(args, rows: list[dict]) -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "heads": args.heads, "rank": args.rank, "rope": args.rope,
         "page_size": args.page_size, "dtype": args.dtype, "max_len": args.max_len,
-        "default_tiling": variant_name(BLOCK_N, WAVES), "timing": "median CUDA-graph replay (ms)", "results": rows,
+        "default_tiling": variant_name(BLOCK_N, WAVES),
+        "timing": "median CUDA-graph replay (ms)", "results": rows,
         "summary": summary(rows),
     }, indent=1) + "\n")
 

@@ -118,6 +118,8 @@ def test_tiles_narrower_than_an_mma_are_refused():
     batch = to_device(make_latent_batch([2], [3], ODD, torch.float32, 3))
     with pytest.raises(ValueError, match="block_n=8"):
         run_kernel(batch, None, "computed", block_n=8)
+    with pytest.raises(ValueError, match="waves=0"):
+        run_kernel(batch, None, "computed", waves=0)
 
 
 def test_mismatched_prefix_arguments_are_refused():

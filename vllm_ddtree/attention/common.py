@@ -8,7 +8,17 @@ from typing import ClassVar
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport
 
-from vllm_ddtree.attention.state import current_tree
+from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
+
+
+def published_tree(device: torch.device) -> TreeAttentionInfo | None:
+    """The step's published tree, its tensors on ``device``, for a metadata build;
+    None where the build has none (no tree rows, or the drafter's build)."""
+    tree = current_tree()
+    if tree is None or not tree.tree_reqs:
+        return None
+    tree.prepare_for(device)
+    return tree
 
 
 class TreeMetadataBuilderMixin:
@@ -24,10 +34,9 @@ class TreeMetadataBuilderMixin:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        tree = current_tree()
-        if tree is None or not tree.tree_reqs:
+        tree = published_tree(metadata.query_start_loc.device)
+        if tree is None:
             return metadata
-        tree.prepare_for(metadata.query_start_loc.device)
         if type(metadata) is self.metadata_cls.__base__:
             # The parent's metadata as it is plus the tree, without a second pass
             # through the dataclass's __init__ (this runs at every verify step).

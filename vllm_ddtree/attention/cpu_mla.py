@@ -36,8 +36,8 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-from vllm_ddtree.attention.common import check_tree_support
-from vllm_ddtree.attention.state import TreeAttentionInfo, current_tree
+from vllm_ddtree.attention.common import check_tree_support, published_tree
+from vllm_ddtree.attention.state import TreeAttentionInfo
 from vllm_ddtree.ops.compaction import move_slots_per_layer
 from vllm_ddtree.ops.mla_attention import mla_tree_attention
 from vllm_ddtree.tensors import SlotMoves
@@ -103,10 +103,9 @@ class MLATreeBuilderMixin:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        tree = current_tree()
-        if tree is None or not tree.tree_reqs:
+        tree = published_tree(metadata.query_start_loc.device)
+        if tree is None:
             return metadata
-        tree.prepare_for(metadata.query_start_loc.device)
         check_tree_rows_are_decodes(tree, metadata.num_decode_tokens)
         metadata.tree = tree
         return metadata

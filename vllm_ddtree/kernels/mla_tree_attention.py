@@ -69,6 +69,7 @@ def mla_tree_attention_triton(
     recomputed, and the result is written into them, which are returned. ``block_n``
     and ``waves`` tune the tiling (benchmarks/bench_mla_attention.py --variants)."""
     require_triton_device(q_nope, "mla_tree_attention_triton", "mla_tree_attention")
+    check_tiling(block_n, waves)
     num_tokens, num_heads, rank = q_nope.shape
     rope = q_pe.shape[-1]
     if kv_cache.shape[-1] != rank + rope or q_pe.shape[:2] != q_nope.shape[:2]:
@@ -95,8 +96,6 @@ def mla_tree_attention_triton(
     rows = torch.arange(num_tokens, device=q_nope.device, dtype=query_start_loc.dtype)
     token_req = torch.searchsorted(query_start_loc[1:].contiguous(), rows, right=True)
     mask = tree_mask if tree_mask is not None else token_req  # unread without a mask
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n={block_n}: expected a power of two >= 16")
     block_h = 16
     head_blocks = triton.cdiv(num_heads, block_h)
     prefix_keys = keys == "all" and prefix_out is None
@@ -133,6 +132,13 @@ def mla_tree_attention_triton(
         lse = torch.logsumexp(part_lse * LN2, dim=0).T.contiguous()
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     return out, lse
+
+
+def check_tiling(block_n: int, waves: int) -> None:
+    """Keys per tile: a power of two that tl.dot takes (>= 16); programs per SM >= 1."""
+    if block_n < 16 or block_n & (block_n - 1) or waves < 1:
+        raise ValueError(f"block_n={block_n}, waves={waves}: expected block_n a power of "
+                         "two >= 16 and waves >= 1")
 
 
 def dot_width(n: int) -> int:
