@@ -40,6 +40,7 @@ E2E_TP2 = "e2e_h200x2_tp2_tiny.json"
 GRAPH_COVERAGE = ("e2e_h200_interleave_2.json", "e2e_h200_interleave_1.json")
 GPU_STEP = "gpu_step_20261202_9d08fc0_v2.json"
 # Step cost by batch up to 64 and by tree size (the load question), one H200 session.
+GPU_STEP_KIMI = "gpu_step_kimi_h200.json"
 GPU_STEP_LOAD = ("gpu_step_h200_v2_load.json", "gpu_step_h200_v2_small_trees.json")
 # The real pair's tau at T=0, batch 8, by method, for the 8B-shaped projection.
 PROJECTION_TAU = {"chain": ("e2e_h200_b89fd64.json", "chain"),
@@ -51,7 +52,8 @@ TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
 TREE_OPS = ("tree_ops_preorder_fused_ab_h200.json", "fused")
 PROFILE = "gpu_profile_20261204_cb12350_real.json"
 # The OpenAI server soak on the GPU (soak_server.py).
-SOAK_GPU = "soak_h100.json"
+# Each GPU soak and the card it ran on (the reports do not name it).
+SOAK_GPU = (("soak_h100.json", "H100"), ("soak_h200_bf16.json", "H200"))
 # The MLA tree kernel against TRITON_MLA's decode kernel (bench_mla_attention.py).
 MLA_ATTENTION = "mla_attention_h100.json"
 
@@ -302,6 +304,37 @@ def gpu_step(doc: Doc) -> str:
     ])
 
 
+@renderer("gpu-step-kimi")
+def gpu_step_kimi(doc: Doc) -> str:
+    """The Kimi K2.6-shaped step: ms per step by method and batch, ÷ plain and ÷ chain."""
+    data = load(GPU_STEP_KIMI)
+    runs = data["runs"]
+    ms = {(run["method"], row["batch"]): row["ms_per_step"] for run in runs for row in run["rows"]}
+    rows = []
+    for run in runs:
+        name = run["method"] + (f" B={run['budget']}" if run.get("budget") else "")
+        for row in run["rows"]:
+            b = row["batch"]
+            rows.append([name, str(b), f"{row['ms_per_step']:.2f}",
+                         x(row["ms_per_step"] / ms["plain", b]),
+                         x(row["ms_per_step"] / ms["chain", b])])
+    args, env = data["arguments"], data["environment"]
+    merged_note = "".join(f" The {run['method']} rows come from {run['merged_from']}."
+                          for run in runs if run.get("merged_from"))
+    return "\n".join([
+        table(["method", "batch", "ms/step", "÷ plain", "÷ chain"], rows, "lrrrr"),
+        "",
+        (f"vLLM {env['vllm']}, {env['gpu'].split(',')[0]}, Kimi K2.6's text model at full "
+         f"width cut to 1 dense + {args['moe_layers']} MoE layers, dummy weights, bf16, "
+         f"V2 runner, CUDA graphs, prompts of {args['prompt_len']} tokens; "
+         f"{args['long_len'] - args['short_len']}-step differences, "
+         f"{args['repeats']} repeats (median). Nothing is accepted, so these are costs per "
+         "step. The drafter (6 full-width layers) is fixed per step while the cut target "
+         f"has {args['moe_layers'] + 1} of Kimi's 61 layers, so the ratios to plain decoding overstate what the "
+         f"full model would see.{merged_note} Source: {doc.link(GPU_STEP_KIMI)}."),
+    ])
+
+
 @renderer("gpu-step-load")
 def gpu_step_load(doc: Doc) -> str:
     """ms per step by batch up to 64 for plain decoding, the chain and DDTree at several
@@ -420,16 +453,24 @@ def serving_cpu(doc: Doc) -> str:
 
 @renderer("soak-gpu")
 def soak_gpu(doc: Doc) -> str:
-    """soak_server.py's levels on the GPU: requests, errors, latency, steps."""
-    data = load(SOAK_GPU)
+    """soak_server.py's levels on the GPU, one table per soak: requests, errors,
+    latency, steps, and the plain server's comparison."""
+    return "\n\n".join(soak_gpu_one(doc, name, card) for name, card in SOAK_GPU)
+
+
+def soak_gpu_one(doc: Doc, name: str, card: str) -> str:
+    data = load(name)
     # A replay's report keeps the soak's own configuration beside its own.
     config, ref = data.get("soak_config") or data["config"], data["reference"]
+    args = config["server_args"]
+    dtype = args[args.index("--dtype") + 1] if "--dtype" in args else "auto"
     rows = []
     for level in data["levels"]:
-        name = "long, one at a time" if level.get("phase") == "long" else str(
+        level_name = "long, one at a time" if level.get("phase") == "long" else str(
             level["concurrency"])
-        rows.append([name, str(level["requests"]), str(level["ok"]), str(level["cancelled"]),
-                     str(level["error"]), str(level["lost"]), str(level["structured"]),
+        rows.append([level_name, str(level["requests"]), str(level["ok"]),
+                     str(level["cancelled"]), str(level["error"]), str(level["lost"]),
+                     str(level["structured"]),
                      f"{level['latency_p50_s']:.2f} / {level['latency_p99_s']:.2f}",
                      f"{level['output_tokens_per_s']:.0f}",
                      f"{level['tokens_per_verify_step']:.2f}", str(level["engine_steps"]),
@@ -437,22 +478,28 @@ def soak_gpu(doc: Doc) -> str:
     if ref is None:
         compared = "No plain server replayed its texts in this run (not compared)."
     else:
-        compared = (f"A plain server with the same flags replayed them: T=0 {ref['t0'][1]}/{ref['t0'][0]} "
-                    f"identical, seeded {ref['seeded'][1]}/{ref['seeded'][0]} (a seed fixes "
-                    "the draws, and speculation draws in another order than plain "
-                    "decoding, so seeded texts may differ; each is still a sample of "
-                    "the target's distribution).")
+        t0 = f"T=0 {ref['t0'][1]}/{ref['t0'][0]} identical"
+        if dtype != "float32":
+            t0 += (f" (in {dtype} a rounding flip at a near tie sends a text elsewhere, so "
+                   "these are counted, not required to match; float32 is the identity check)")
+        compared = (f"A plain server with the same flags replayed them: {t0}, seeded "
+                    f"{ref['seeded'][1]}/{ref['seeded'][0]} (a seed fixes the draws, and "
+                    "speculation draws in another order than plain decoding, so seeded "
+                    "texts may differ; each is still a sample of the target's "
+                    "distribution).")
     spec = json.loads(config["speculative_config"])
     return "\n".join([
+        f"**{card}, {dtype}**",
+        "",
         table(["concurrency", "requests", "ok", "cancelled", "errors", "lost", "structured",
                "latency p50 / p99 s", "tokens/s", "tokens per step", "engine steps",
                "KV after", "/health after"], rows),
         "",
-        (f"One DDTree server (budget {spec['ddtree_budget']}, top-k cap "
+        (f"One DDTree server on an {card} (budget {spec['ddtree_budget']}, top-k cap "
          f"{spec.get('ddtree_topk_cap')}), the real pair, "
-         f"{' '.join(config['server_args'])}, V2 runner with CUDA graphs, "
+         f"{' '.join(args)}, V2 runner with CUDA graphs, "
          f"{data['engine_steps']} engine steps in all. {compared} "
-         f"Source: {doc.link(SOAK_GPU)}."),
+         f"Source: {doc.link(name)}."),
     ])
 
 
