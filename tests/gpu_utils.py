@@ -38,6 +38,11 @@ GPU_KW = {
 # order (GEMM shapes change with the verify width; tree vs decode attention) flips.
 FLOAT32_NEAR_TIE = 1e-3
 BF16_NEAR_TIE = 0.25  # two bf16 steps of a logit in [16, 32)
+# Engine arguments for prompts read one token a step: vLLM's MLA backends send a query
+# of one row down the decode path (forward_mqa, absorbed into the latent), the path of
+# plain decoding's output tokens, where a prefill takes another (forward_mha, K/V
+# expanded from the latent) that rounds differently in bf16.
+ONE_TOKEN_CHUNKS = {"long_prefill_token_threshold": 1}
 
 
 def gpu_llm(model, speculative_config=None, *, graphs: bool, **kw):
@@ -46,18 +51,20 @@ def gpu_llm(model, speculative_config=None, *, graphs: bool, **kw):
     )
 
 
-def greedy_gaps(llm, ids, outputs) -> list[list[float]]:
+def greedy_gaps(llm, ids, outputs, *, one_token_chunks: bool = False) -> list[list[float]]:
     """For each output token, how far its log-probability falls below the best token's
-    when the target reads the prompt and the output before it in one prefill
-    (``prompt_logprobs``). Greedy decoding's gaps are 0 up to one forward pass's
-    rounding, whatever came before: unlike a comparison with a reference text, a
-    rounding flip early on does not carry into every later token."""
+    when the target reads the prompt and the output before it (``prompt_logprobs``).
+    Greedy decoding's gaps are 0 up to one forward pass's rounding, whatever came
+    before: unlike a comparison with a reference text, a rounding flip early on does not
+    carry into every later token. ``one_token_chunks``: an engine made with
+    ONE_TOKEN_CHUNKS, read behind an anchor (``behind_anchor``)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
-    results = llm.generate(
-        [{"prompt_token_ids": [*p, *o]} for p, o in zip(ids, outputs, strict=True)],
-        params, use_tqdm=False)
+    sequences = [{"prompt_token_ids": [*p, *o]} for p, o in zip(ids, outputs, strict=True)]
+    results = (behind_anchor(llm, sequences, params, max(len(p) + len(o) for p, o in
+                                                         zip(ids, outputs)))
+               if one_token_chunks else llm.generate(sequences, params, use_tqdm=False))
     gaps = []
     for p, o, result in zip(ids, outputs, results, strict=True):
         row = []
@@ -66,6 +73,32 @@ def greedy_gaps(llm, ids, outputs) -> list[list[float]]:
             row.append(max(lp.logprob for lp in entry.values()) - entry[token].logprob)
         gaps.append(row)
     return gaps
+
+
+def greedy_one_token_chunks(llm, ids, max_tokens: int) -> list[list[int]]:
+    """Greedy outputs (ignoring EOS) of an engine made with ONE_TOKEN_CHUNKS, its
+    prompts read one token a step behind an anchor (``behind_anchor``)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    results = behind_anchor(llm, [{"prompt_token_ids": list(p)} for p in ids], params,
+                            max(len(p) for p in ids) + max_tokens)
+    return [list(r.outputs[0].token_ids) for r in results]
+
+
+def behind_anchor(llm, requests: list[dict], params, longest: int):
+    """``llm.generate(requests, params)`` on an engine made with ONE_TOKEN_CHUNKS, the
+    requests kept in one-token chunks to their end. vLLM lifts the chunk cap for a
+    request that is alone, and requests reach the engine one by one, so the shortest
+    one goes first as an anchor that decodes for longer than any request needs steps
+    (``longest`` tokens); its own output is dropped."""
+    from vllm import SamplingParams
+
+    anchor = min(requests, key=lambda r: len(r["prompt_token_ids"]))
+    anchor_params = SamplingParams(temperature=0.0, max_tokens=longest + 8, ignore_eos=True)
+    results = llm.generate([anchor, *requests], [anchor_params] + [params] * len(requests),
+                           use_tqdm=False)
+    return results[1:]
 
 
 def assert_each_token_near_greedy(gaps: list[list[float]], near_tie: float) -> None:
