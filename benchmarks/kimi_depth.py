@@ -11,7 +11,7 @@ dense, so 60 MoE layers):
     full = deep + (60 - deep_moe_layers) * (deep - shallow) / (deep_moe_layers - shallow_moe_layers)
 
 for each method, budget and batch both runs measured, and the ratios to plain decoding
-and to the chain at full depth. It is an extrapolation, not a measurement: it assumes a
+and to the chain at full depth. Both runs must come from the same kind of GPU. It is an extrapolation, not a measurement: it assumes a
 MoE layer costs the same at any depth (dummy weights route alike in every layer), and
 the cut drafter reads every target layer (its input projection grows with the cut's
 depth, a small part of the per-layer cost).
@@ -52,6 +52,10 @@ def extrapolate(shallow: dict, deep: dict, moe_layers: int = KIMI_MOE_LAYERS) ->
                          f"(got {hi} and {lo})")
     if hi > moe_layers:
         raise ValueError(f"the deep run has {hi} MoE layers, more than the model's {moe_layers}")
+    cards = [str(r["environment"].get("gpu") or "?").split(",")[0] for r in (shallow, deep)]
+    if cards[0] != cards[1]:
+        raise ValueError(f"the two runs ran on different GPUs ({cards[0]}, {cards[1]}): "
+                         "their costs do not combine")
     a, b = step_costs(shallow), step_costs(deep)
     rows = []
     for key in sorted(a.keys() & b.keys(), key=lambda k: (k[0], k[1] or 0, k[2])):

@@ -61,6 +61,10 @@ def test_depths_are_checked(tmp_path, capsys):
     qwen["arguments"]["shape"] = "Shape(name='qwen3-8b')"
     with pytest.raises(ValueError, match="kimi-k2.6"):
         kimi_depth.extrapolate(qwen, report(2))
+    h100 = report(1)
+    h100["environment"]["gpu"] = "NVIDIA H100 80GB HBM3, 580.159.04"
+    with pytest.raises(ValueError, match="different GPUs"):
+        kimi_depth.extrapolate(h100, report(2))
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(report(2)))
     b.write_text(json.dumps(report(1)))
