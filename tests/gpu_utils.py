@@ -89,12 +89,12 @@ def greedy_one_token_chunks(llm, ids, max_tokens: int) -> list[list[int]]:
 def behind_anchor(llm, requests: list[dict], params, longest: int):
     """``llm.generate(requests, params)`` on an engine made with ONE_TOKEN_CHUNKS, the
     requests kept in one-token chunks to their end. vLLM lifts the chunk cap for a
-    request that is alone, and requests reach the engine one by one, so the shortest
-    one goes first as an anchor that decodes for longer than any request needs steps
-    (``longest`` tokens); its own output is dropped."""
+    request that is alone, and requests reach the engine one by one, so an anchor goes
+    first (a prompt of one token, the first request's first) and decodes for longer than
+    any request needs steps (``longest`` tokens); its own output is dropped."""
     from vllm import SamplingParams
 
-    anchor = min(requests, key=lambda r: len(r["prompt_token_ids"]))
+    anchor = {"prompt_token_ids": requests[0]["prompt_token_ids"][:1]}
     anchor_params = SamplingParams(temperature=0.0, max_tokens=longest + 8, ignore_eos=True)
     results = llm.generate([anchor, *requests], [anchor_params] + [params] * len(requests),
                            use_tqdm=False)

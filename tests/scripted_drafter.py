@@ -228,7 +228,7 @@ def _scripted_sampler(script_path: Path):
         for r in range(num_reqs):
             req_id = self.runner.input_batch.req_ids[r]
             prompt = tuple(self.runner.requests[req_id].prompt_token_ids)
-            full = list(prompt) + references[prompt]
+            full = list(prompt) + references.get(prompt, [])  # unscripted: no truth
             bonus_pos = int(self.positions[r * self.ddtree.block_size])
             rows.append(script_rows(full, bonus_pos, depth, vocab))
         logprobs = torch.cat(rows).to(hidden_states.device)
