@@ -11,17 +11,29 @@ from vllm_ddtree.sizing import TreeSizer, candidate_sizes
 from vllm_ddtree.spec_config import adaptive_schedule
 
 
-def drive(sizer: TreeSizer, num_reqs: int, accepted_of, seconds_of, steps: int) -> list[int]:
-    """Run ``steps`` steps of a fixed batch: the sizer chooses, the 'engine' answers
-    with the acceptance and step time of that size."""
-    chosen = []
+def drive(sizer: TreeSizer, num_reqs: int, accepted_of, verify_seconds, steps: int,
+          draft_seconds: float = 0.0) -> list[int]:
+    """Run ``steps`` steps of a fixed batch as vLLM runs them: each step verifies the
+    size chosen at the step before and drafts (a pass costing ``draft_seconds``,
+    skipped at size 0) the size chosen now. Returns the sizes chosen."""
+    chosen, verified = [], 0
     for _ in range(steps):
         k = sizer[num_reqs]
         chosen.append(k)
-        outcomes = [(k, accepted_of(k))] * num_reqs if k else []
-        rows = num_reqs * (k + 1)
-        sizer.observe(outcomes, rows, seconds_of(rows))
+        outcomes = [(verified, accepted_of(verified))] * num_reqs if verified else []
+        seconds = verify_seconds(num_reqs * (verified + 1)) + (draft_seconds if k else 0.0)
+        sizer.observe(outcomes, num_reqs=num_reqs, verified=verified, drafted=k,
+                      seconds=seconds)
+        verified = k
     return chosen
+
+
+def truth(num_reqs: int, accepted_of, verify_seconds, draft_seconds: float = 0.0) -> int:
+    """The size with the most tokens per second in a run of steps of that size."""
+    def rate(k):
+        cost = verify_seconds(num_reqs * (k + 1)) + (draft_seconds if k else 0.0)
+        return num_reqs * (1 + (accepted_of(k) or 0)) / cost
+    return max([0, 2, 4, 8, 16], key=rate)
 
 
 def test_candidate_sizes():
@@ -38,14 +50,10 @@ def test_flat_cost_takes_the_whole_tree_and_load_takes_less():
     def seconds(rows):
         return 0.005 * max(1.0, rows / 512)
 
-    def truth(n):  # the size with the most tokens per second, from the true functions
-        return max([0, 2, 4, 8, 16],
-                   key=lambda k: n * (1 + (accepted(k) or 0)) / seconds(n * (k + 1)))
-
     light = drive(TreeSizer(16), 2, accepted, seconds, 200)
-    assert truth(2) == 16 and light[-100:].count(16) > 90
+    assert truth(2, accepted, seconds) == 16 and light[-100:].count(16) > 90
     for n, want in ((64, 8), (128, 4), (256, 2)):
-        assert truth(n) == want
+        assert truth(n, accepted, seconds) == want
         heavy = drive(TreeSizer(16), n, accepted, seconds, 200)
         assert heavy[-100:].count(want) > 90, (n, heavy[-100:])
 
@@ -71,14 +79,52 @@ def test_exploration_follows_a_change_in_acceptance():
     assert sizer.best(16) == 4 and later[-1] == 4
 
 
+def test_the_drafter_pass_is_charged_to_the_size_that_drafts():
+    """A step's time holds the verify of the last size and the drafter's pass for the
+    next (none at size 0). Charged to the verified size alone, a size-0 step tried
+    between tree steps looks as dear as a tree step, and the tree stays on where no
+    tree is three times as fast; steady steps only give each size its own cost."""
+    accepted = {2: 0.35, 4: 0.45, 8: 0.5, 16: 0.6}.get
+    def verify(rows):
+        return 0.002 + 0.000005 * rows
+    draft = 0.006
+    assert truth(32, accepted, verify, draft) == 0
+    chosen = drive(TreeSizer(16), 32, accepted, verify, 400, draft_seconds=draft)
+    assert chosen[-128:].count(0) > 0.9 * 128
+    # while a drafter pass that costs little leaves the whole tree on
+    assert truth(2, accepted, verify, 0.0002) == 16
+    chosen = drive(TreeSizer(16), 2, accepted, verify, 400, draft_seconds=0.0002)
+    assert chosen[-128:].count(16) > 0.9 * 128
+
+
+def test_only_steady_steps_are_timed():
+    sizer = TreeSizer(4)
+    sizer.observe([], num_reqs=8, verified=4, drafted=0, seconds=0.5)
+    sizer.observe([], num_reqs=8, verified=0, drafted=4, seconds=0.5)
+    assert sizer.step_time(8, 4) is None and sizer.step_time(8, 0) is None
+    sizer.observe([], num_reqs=8, verified=4, drafted=4, seconds=0.02)
+    assert sizer.step_time(8, 4) == 0.02 and sizer.step_time(8, 0) is None
+
+
+def test_a_size_tried_is_held_for_a_steady_step():
+    sizer = TreeSizer(16, explore_every=8)
+    first = [sizer[4] for _ in range(10)]
+    assert first == [16, 16, 8, 8, 4, 4, 2, 2, 0, 0]
+    later = [sizer[4] for _ in range(40)]
+    for i, k in enumerate(later[:-1]):  # every exploration (step % 8 == 0) is held
+        if (i + 11) % 8 == 0:
+            assert later[i + 1] == k
+
+
 def test_step_time_interpolates_and_scales():
     sizer = TreeSizer(4)
-    assert sizer.step_time(10) is None and sizer.best(3) == 4
-    sizer.observe([], 10, 0.010)
-    sizer.observe([], 30, 0.030)
-    assert sizer.step_time(5) == 0.010
-    assert sizer.step_time(20) == pytest.approx(0.020)
-    assert sizer.step_time(60) == pytest.approx(0.060)
+    assert sizer.step_time(10, 4) is None and sizer.best(3) == 4
+    sizer.observe([], num_reqs=10, verified=4, drafted=4, seconds=0.010)
+    sizer.observe([], num_reqs=30, verified=4, drafted=4, seconds=0.030)
+    assert sizer.step_time(5, 4) == 0.010
+    assert sizer.step_time(20, 4) == pytest.approx(0.020)
+    assert sizer.step_time(60, 4) == pytest.approx(0.060)
+    assert sizer.step_time(20, 2) is None  # sizes do not share their costs
 
 
 def test_report_lists_the_sizes_chosen():
@@ -86,6 +132,7 @@ def test_report_lists_the_sizes_chosen():
     drive(sizer, 3, lambda k: 1.0, lambda rows: 0.001, 10)
     line = sizer.report(now=100.0)
     assert "3 reqs:" in line and "accepted drafts per request by size" in line
+    assert "step ms by size at 3 reqs 0: 1.00" in line
     assert sizer.report(now=101.0) is None  # at most one line per LOG_EVERY_S
 
 
@@ -93,18 +140,29 @@ def test_scheduler_feeds_decode_steps_only():
     from vllm_ddtree.scheduler import observe_step
 
     sizer = TreeSizer(4)
+    # a pure decode step that verified 4 drafts a request and drafts 4 for the next
     decode = SimpleNamespace(
-        scheduled_spec_decode_tokens={"a": [1, 2, 3, 4], "b": [5, 6]},
-        num_scheduled_tokens={"a": 5, "b": 3}, total_num_scheduled_tokens=8)
+        scheduled_spec_decode_tokens={"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]},
+        num_scheduled_tokens={"a": 5, "b": 5}, total_num_scheduled_tokens=10,
+        num_spec_tokens_to_schedule=4)
     out = SimpleNamespace(sampled_token_ids=[[9, 9, 9], [9]], req_id_to_index={"a": 0, "b": 1})
     observe_step(sizer, decode, out, 0.02)
-    assert sizer.accepted(4) == 2 and sizer.accepted(2) == 0
-    assert sizer.step_time(8) == 0.02
+    assert sizer.accepted(4) == 1 and sizer.step_time(2, 4) == 0.02
+    # the same step drafting 2 for the next: not steady, its time is not a cost
+    observe_step(sizer, SimpleNamespace(**{**vars(decode), "num_spec_tokens_to_schedule": 2}),
+                 out, 0.5)
+    assert sizer.step_time(2, 4) == 0.02 and sizer.step_time(2, 2) is None
+    # requests that verified different sizes (one capped by its length): no cost
+    mixed = SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2, 3, 4], "b": [5, 6]},
+                            num_scheduled_tokens={"a": 5, "b": 3},
+                            total_num_scheduled_tokens=8, num_spec_tokens_to_schedule=2)
+    observe_step(sizer, mixed, out, 0.5)
+    assert sizer.accepted(2) == 0 and sizer.step_time(2, 2) is None
     prefill = SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]},
                               num_scheduled_tokens={"a": 5, "c": 40},
-                              total_num_scheduled_tokens=45)
+                              total_num_scheduled_tokens=45, num_spec_tokens_to_schedule=4)
     observe_step(sizer, prefill, out, 0.5)
-    assert sorted(sizer._cost) == [8]  # the prompt's step is not a decode step's cost
+    assert sizer._batches[4] == [2]  # the prompt's step is not a decode step's cost
 
 
 def test_adaptive_key():

@@ -52,8 +52,10 @@ class TreeSizingMixin:
 
 def observe_step(sizer: TreeSizer, scheduler_output, model_runner_output,
                  seconds: float | None) -> None:
-    """Tell the sizer what one step verified and accepted; its duration counts only for
-    a pure decode step (every request verifying drafts, no prompt tokens)."""
+    """Tell the sizer what one step verified and accepted, and, for a pure decode step
+    (every request verifying drafts, no prompt tokens), its batch size, the size its
+    requests verified (the last step's), the size it drafted for the next step
+    (``num_spec_tokens_to_schedule``) and its duration."""
     spec = scheduler_output.scheduled_spec_decode_tokens
     sampled = model_runner_output.sampled_token_ids
     index = model_runner_output.req_id_to_index
@@ -63,11 +65,15 @@ def observe_step(sizer: TreeSizer, scheduler_output, model_runner_output,
         if i is not None and i < len(sampled) and sampled[i]:
             outcomes.append((len(drafts), len(sampled[i]) - 1))
     num_scheduled = scheduler_output.num_scheduled_tokens
-    rows = scheduler_output.total_num_scheduled_tokens
     decode_only = len(num_scheduled) > 0 and all(
         num_scheduled[req_id] == 1 + len(spec.get(req_id, ())) for req_id in num_scheduled
     )
-    sizer.observe(outcomes, rows if decode_only else None, seconds if decode_only else None)
+    verified = {len(spec.get(req_id, ())) for req_id in num_scheduled}
+    if not decode_only or len(verified) != 1:
+        sizer.observe(outcomes)
+        return
+    sizer.observe(outcomes, num_reqs=len(num_scheduled), verified=verified.pop(),
+                  drafted=scheduler_output.num_spec_tokens_to_schedule, seconds=seconds)
 
 
 class DDTreeScheduler(TreeSizingMixin, Scheduler):

@@ -1,25 +1,36 @@
 """The verify tree's size, chosen each step from what the engine sees (ddtree_adaptive).
 
-A step over ``n`` requests with trees of ``k`` nodes verifies ``n * (k + 1)`` rows and
-yields ``n * (1 + a(k))`` tokens, ``a(k)`` being the mean accepted drafts per request
-at size ``k``. The size that maximises tokens per second is
+A step over ``n`` requests at size ``k`` verifies ``n`` trees of ``k`` nodes and yields
+``n * (1 + a(k))`` tokens, ``a(k)`` being the mean accepted drafts per request at size
+``k``. The size that maximises tokens per second is
 
-    argmax_k  n * (1 + a(k)) / t(n * (k + 1))
+    argmax_k  n * (1 + a(k)) / t(n, k)
 
 over a few sizes (the budget, its halves down to an eighth, and 0: no drafts), where
 
 - ``a(k)`` is measured: the accepted drafts of every request that verified ``k``
   drafts, a running mean per size (accepted lengths are what the target decided, so
   the estimate needs no drafter calibration);
-- ``t(r)`` is measured: the engine's time per step, as the interval between
-  consecutive step outputs of pure decode steps, a median per row count, linear
-  between the row counts seen and proportional to rows beyond them.
+- ``t(n, k)`` is measured: the engine's time per step, as the interval between
+  consecutive step outputs, a median per size and batch size, linear in the batch
+  size between the batch sizes seen and proportional to it beyond them.
 
-Every size is tried once at start (largest first), then one step in ``explore_every``
-goes to the size tried longest ago, so the estimates follow the workload. The sizer is vLLM's
-batch-size lookup (``scheduler.dynamic_sd_lookup[n]``): the scheduler asks it once per
-step for the drafts to schedule next. Trees of a chosen size are the best trees of
-that size (ops/subtree.py); any size is lossless.
+Which step a time belongs to: vLLM asks for the size when it schedules a step, and
+the runner drafts that many tokens at the end of that step, for the next one to
+verify. A step therefore verifies the previous step's size and drafts its own, and
+its time is the cost of both: the drafter's pass is skipped where the new size is 0,
+whatever the step verified. So a time counts only for a *steady* step, one that
+verified the size it drafted (every request, no prompt tokens): the cost of a step at
+that size, as a run of such steps pays it. Counting every step would charge a size-0
+step with the next step's drafter pass and hand that pass's saving to the tree size
+before it, making trees look cheaper under load than they are.
+
+Every size is tried at start (largest first), then one step in ``explore_every`` goes
+to the size tried longest ago; a size tried is held for two steps, so its second step
+is steady and gives a time. The sizer is vLLM's batch-size lookup
+(``scheduler.dynamic_sd_lookup[n]``): the scheduler asks it once per step for the
+drafts to schedule next. Trees of a chosen size are the best trees of that size
+(ops/subtree.py); any size is lossless.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from dataclasses import dataclass, field
 
 EXPLORE_EVERY = 32  # steps between two visits of the stalest size
 ACCEPT_WINDOW = 256  # request-steps per size in the acceptance mean
-COST_WINDOW = 15  # step times per row count in the cost median
+COST_WINDOW = 15  # steady step times per (size, batch size) in the cost median
 LOG_EVERY_S = 10.0
 
 
@@ -57,9 +68,10 @@ class TreeSizer:
     sizes: list[int] = field(init=False)
     _accepted: dict[int, deque] = field(init=False)  # size -> accepted drafts per request
     _last_tried: dict[int, int] = field(init=False)  # size -> step it last ran
-    _cost: dict[int, deque] = field(init=False)  # rows -> seconds per step
-    _rows: list[int] = field(init=False)  # the row counts of _cost, ascending
-    _median: dict[int, float] = field(init=False)  # rows -> median of _cost[rows]
+    _hold: int | None = field(init=False, default=None)  # a size tried, asked once more
+    _cost: dict[int, dict[int, deque]] = field(init=False)  # size -> batch -> seconds
+    _batches: dict[int, list[int]] = field(init=False)  # size -> batch sizes timed, ascending
+    _median: dict[tuple[int, int], float] = field(init=False)  # (size, batch) -> median
     _step: int = field(init=False, default=0)
     _chosen: dict[int, int] = field(init=False)  # batch size -> size, since the last log
     _last_log: float = field(init=False, default=0.0)
@@ -70,8 +82,8 @@ class TreeSizer:
         self.sizes = candidate_sizes(self.budget)
         self._accepted = {k: deque(maxlen=ACCEPT_WINDOW) for k in self.sizes if k > 0}
         self._last_tried = {}
-        self._cost = {}
-        self._rows = []
+        self._cost = {k: {} for k in self.sizes}
+        self._batches = {k: [] for k in self.sizes}
         self._median = {}
         self._chosen = {}
 
@@ -82,10 +94,11 @@ class TreeSizer:
     def choose(self, num_reqs: int) -> int:
         self._step += 1
         untried = [k for k in self.sizes if k not in self._last_tried]
-        if untried:
-            k = untried[-1]
-        elif self._step % self.explore_every == 0:
-            k = min(self.sizes, key=lambda s: self._last_tried[s])
+        if self._hold is not None:
+            k, self._hold = self._hold, None
+        elif untried or self._step % self.explore_every == 0:
+            k = untried[-1] if untried else min(self.sizes, key=lambda s: self._last_tried[s])
+            self._hold = k  # its second step is steady: a time for this size
         else:
             k = self.best(num_reqs)
         self._last_tried[k] = self._step
@@ -105,7 +118,7 @@ class TreeSizer:
         """Expected tokens per second of a step of ``num_reqs`` requests at size ``k``,
         or None while either estimate is missing."""
         accepted = self.accepted(k)
-        seconds = self.step_time(num_reqs * (k + 1))
+        seconds = self.step_time(num_reqs, k)
         if accepted is None or seconds is None:
             return None
         return num_reqs * (1.0 + accepted) / seconds
@@ -116,46 +129,62 @@ class TreeSizer:
         seen = self._accepted[k]
         return sum(seen) / len(seen) if seen else None
 
-    def step_time(self, rows: int) -> float | None:
-        known, median = self._rows, self._median
+    def step_time(self, num_reqs: int, k: int) -> float | None:
+        """Seconds per steady step of ``num_reqs`` requests at size ``k``: the median
+        where this batch size was timed, else linear between the nearest timed ones,
+        flat below the smallest and proportional beyond the largest."""
+        known = self._batches[k]
         if not known:
             return None
-        if rows <= known[0]:
-            return median[known[0]]
-        if rows >= known[-1]:
-            return median[known[-1]] * rows / known[-1]
-        i = bisect.bisect_left(known, rows)
+        def median(n: int) -> float:
+            return self._median[(k, n)]
+        if num_reqs <= known[0]:
+            return median(known[0])
+        if num_reqs >= known[-1]:
+            return median(known[-1]) * num_reqs / known[-1]
+        i = bisect.bisect_left(known, num_reqs)
         hi = known[i]
-        if hi == rows:
-            return median[hi]
+        if hi == num_reqs:
+            return median(hi)
         lo = known[i - 1]
-        return median[lo] + (median[hi] - median[lo]) * (rows - lo) / (hi - lo)
+        return median(lo) + (median(hi) - median(lo)) * (num_reqs - lo) / (hi - lo)
 
-    def observe(self, drafts_and_accepted: Iterable[tuple[int, int]], rows: int | None,
-                seconds: float | None) -> None:
-        """One step's outcome: ``(drafts verified, drafts accepted)`` per request, and,
-        for a pure decode step, its rows and duration."""
+    def observe(self, drafts_and_accepted: Iterable[tuple[int, int]], num_reqs: int | None = None,
+                verified: int | None = None, drafted: int | None = None,
+                seconds: float | None = None) -> None:
+        """One step's outcome: ``(drafts verified, drafts accepted)`` per request and,
+        for a pure decode step, its batch size, the size every request verified, the
+        size it drafted for the next step, and its duration (counted if steady)."""
         for drafts, accepted in drafts_and_accepted:
             if drafts in self._accepted:
                 self._accepted[drafts].append(accepted)
-        if rows is not None and seconds is not None and seconds > 0:
-            if rows not in self._cost:
-                self._cost[rows] = deque(maxlen=COST_WINDOW)
-                bisect.insort(self._rows, rows)
-            self._cost[rows].append(seconds)
-            # Kept here, once per sample: the scheduler reads step_time several times a step.
-            self._median[rows] = statistics.median(self._cost[rows])
+        if (num_reqs is None or seconds is None or seconds <= 0 or verified != drafted
+                or verified not in self._cost):
+            return
+        k = verified
+        if num_reqs not in self._cost[k]:
+            self._cost[k][num_reqs] = deque(maxlen=COST_WINDOW)
+            bisect.insort(self._batches[k], num_reqs)
+        self._cost[k][num_reqs].append(seconds)
+        # Kept here, once per sample: the scheduler reads step_time several times a step.
+        self._median[(k, num_reqs)] = statistics.median(self._cost[k][num_reqs])
 
     def report(self, now: float | None = None) -> str | None:
-        """A log line of the sizes chosen since the last one, at most every LOG_EVERY_S."""
+        """A log line of the sizes chosen since the last one, at most every LOG_EVERY_S,
+        with the estimates behind the choice at the largest batch among them."""
         now = time.monotonic() if now is None else now
         if not self._chosen or now - self._last_log < LOG_EVERY_S:
             return None
         self._last_log = now
         chosen = ", ".join(f"{n} reqs: {k}" for n, k in sorted(self._chosen.items()))
+        widest = max(self._chosen)
         self._chosen = {}
         means = ", ".join(
             f"{k}: {a:.2f}" for k in self.sizes if k and (a := self.accepted(k)) is not None
         )
+        costs = ", ".join(
+            f"{k}: {t * 1e3:.2f}" for k in self.sizes
+            if (t := self.step_time(widest, k)) is not None
+        )
         return (f"DDTree tree sizes chosen (batch: nodes) {chosen}; accepted drafts per "
-                f"request by size {means}")
+                f"request by size {means}; step ms by size at {widest} reqs {costs}")
