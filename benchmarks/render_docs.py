@@ -48,6 +48,8 @@ PROJECTION_TAU = {"chain": ("e2e_h200_b89fd64.json", "chain"),
                   ("ddtree", 16): ("e2e_h200_b89fd64.json", "ddtree-b16-knone")}
 # MT-Bench on the CPU with the real pair: fixed trees against trees sized per step.
 SERVING_CPU = "serving_cpu_mtbench.json"
+# bench_serving.py --summarize over the H100 runs of one plan (the first file's settings).
+SERVING_H100 = "serving_h100_offline_mtbench.json"
 TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
 TREE_OPS = ("tree_ops_preorder_fused_ab_h200.json", "fused")
 PROFILE = "gpu_profile_20261204_cb12350_real.json"
@@ -410,7 +412,7 @@ def projection_8b(doc: Doc) -> str:
          "against the tau of the real pair's 7-draft chain, so its row is a floor. DDTree "
          "B=8 took tau with top-k cap 4, the cost without a cap. The last row is what "
          "sizing per step could reach with these sizes (none = plain decoding's speed; "
-         "the sizer's size 0 still runs the drafter). Sources: "
+         "the sizer's size 0 still stores the drafter's context K/V). Sources: "
          + ", ".join(doc.link(n) for n in sources) + "."),
     ])
 
@@ -444,6 +446,42 @@ def serving_cpu(doc: Doc) -> str:
          "this is where a fixed tree loses most under load; the H200's costs are other. "
          "ddtree16-adaptive's tau counts only the steps that drafted (its steps of size 0 "
          f"verify no tree). Source: {doc.link(SERVING_CPU)}."),
+    ])
+
+
+@renderer("serving-h100")
+def serving_h100(doc: Doc) -> str:
+    """bench_serving.py's runs pooled (--summarize): tokens/s and ratios with intervals,
+    and how many runs and rounds each row pools."""
+    pooled = load(SERVING_H100)
+    first = load(Path(pooled["files"][0]).name)
+    settings = first["settings"]
+
+    def ratio(cell: dict | None) -> str:
+        if not cell:
+            return "-"
+        low, high = cell["interval_90"]
+        return f"{x(cell['median'])} ({low:.2f}-{high:.2f})"
+
+    rows = []
+    for r in sorted(pooled["rows"], key=lambda r: (r["load"], r["method"])):
+        low, high = r["tok_per_s"]["interval_90"]
+        rows.append([str(r["load"]), r["method"], f"{r['tau']:.2f}" if r["tau"] else "-",
+                     f"{r['tok_per_s']['median']:,.0f} ({low:,.0f}-{high:,.0f})",
+                     ratio(r["vs_plain"]), ratio(r["vs_chain"]), f"{r['runs']} / {r['rounds']}"])
+    sources = [SERVING_H100] + [Path(f).name for f in pooled["files"]]
+    return "\n".join([
+        table(["batch", "method", "tau", "tokens/s (90% interval)", "÷ plain", "÷ chain",
+               "runs / rounds"], rows, "rllrrrr"),
+        "",
+        (f"Real pair (SmolLM2-135M and the b8 drafter), one lent H100, {settings['dtype']}, "
+         f"CUDA graphs, V2 runner, MT-Bench (first turns, shuffled), "
+         f"{settings['max_tokens']} new tokens per request, at least "
+         f"{settings['min_prompts']} prompts a pass, every engine alive and timed in turn. "
+         "Two calls on one machine pooled; the first call's time ran out in its third round, so "
+         "batch 8 and above pool fewer rounds. ddtree16-adaptive is the tree sized per step "
+         "(budget 16 the ceiling) before its sizer timed only steady steps. Sources: "
+         + ", ".join(doc.link(n) for n in sources) + "."),
     ])
 
 
