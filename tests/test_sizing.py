@@ -97,6 +97,24 @@ def test_the_drafter_pass_is_charged_to_the_size_that_drafts():
     assert chosen[-128:].count(16) > 0.9 * 128
 
 
+def test_a_new_scale_of_batch_is_measured_not_extrapolated():
+    """Light load: the whole tree pays. The batch then jumps to 32, where no tree is three
+    times as fast; every size is tried at the new scale, so the sizer drops the tree at
+    once instead of pricing size 0 from its cost at 2 requests times 16."""
+    accepted = {2: 0.35, 4: 0.45, 8: 0.5, 16: 0.6}.get
+    def verify(rows):
+        return 0.002 + 0.000005 * rows
+    def draft(n):
+        return 0.0002 * n
+    assert truth(2, accepted, verify, draft(2)) == 16
+    assert truth(32, accepted, verify, draft(32)) == 0
+    sizer = TreeSizer(16)
+    assert drive(sizer, 2, accepted, verify, 200, draft(2))[-50:].count(16) > 45
+    jump = drive(sizer, 32, accepted, verify, 30, draft(32))
+    assert jump[:10] == [16, 16, 8, 8, 4, 4, 2, 2, 0, 0]  # the sizes tried at the new scale
+    assert jump[10:].count(0) >= 18  # all but one held exploration (one step in 32)
+
+
 def test_only_steady_steps_are_timed():
     sizer = TreeSizer(4)
     sizer.observe([], num_reqs=8, verified=4, drafted=0, seconds=0.5)

@@ -25,9 +25,11 @@ that size, as a run of such steps pays it. Counting every step would charge a si
 step with the next step's drafter pass and hand that pass's saving to the tree size
 before it, making trees look cheaper under load than they are.
 
-Every size is tried at start (largest first), then one step in ``explore_every`` goes
-to the size tried longest ago; a size tried is held for two steps, so its second step
-is steady and gives a time. The sizer is vLLM's batch-size lookup
+Every size is tried at each new scale of batch (batch sizes within a factor of two:
+1, 2-3, 4-7, ...; largest size first), then one step in ``explore_every`` goes to the
+size tried longest ago at that scale; a size tried is held for two steps, so its second
+step is steady and gives a time. So each size's cost is measured near every batch size
+the engine meets, not extrapolated from batches far smaller. The sizer is vLLM's batch-size lookup
 (``scheduler.dynamic_sd_lookup[n]``): the scheduler asks it once per step for the
 drafts to schedule next. Trees of a chosen size are the best trees of that size
 (ops/subtree.py); any size is lossless.
@@ -67,7 +69,7 @@ class TreeSizer:
     explore_every: int = EXPLORE_EVERY
     sizes: list[int] = field(init=False)
     _accepted: dict[int, deque] = field(init=False)  # size -> accepted drafts per request
-    _last_tried: dict[int, int] = field(init=False)  # size -> step it last ran
+    _last_tried: dict[tuple[int, int], int] = field(init=False)  # (scale, size) -> step
     _hold: int | None = field(init=False, default=None)  # a size tried, asked once more
     _cost: dict[int, dict[int, deque]] = field(init=False)  # size -> batch -> seconds
     _batches: dict[int, list[int]] = field(init=False)  # size -> batch sizes timed, ascending
@@ -93,15 +95,17 @@ class TreeSizer:
 
     def choose(self, num_reqs: int) -> int:
         self._step += 1
-        untried = [k for k in self.sizes if k not in self._last_tried]
+        scale = max(num_reqs, 1).bit_length()  # batch sizes within a factor of two
+        tried = self._last_tried
+        untried = [k for k in self.sizes if (scale, k) not in tried]
         if self._hold is not None:
             k, self._hold = self._hold, None
         elif untried or self._step % self.explore_every == 0:
-            k = untried[-1] if untried else min(self.sizes, key=lambda s: self._last_tried[s])
+            k = untried[-1] if untried else min(self.sizes, key=lambda s: tried[(scale, s)])
             self._hold = k  # its second step is steady: a time for this size
         else:
             k = self.best(num_reqs)
-        self._last_tried[k] = self._step
+        tried[(scale, k)] = self._step
         self._chosen[num_reqs] = k
         return k
 
