@@ -417,12 +417,9 @@ def projection_8b(doc: Doc) -> str:
     ])
 
 
-@renderer("serving-cpu")
-def serving_cpu(doc: Doc) -> str:
-    """bench_serving.py's offline table of one run: tokens/s and ratios with intervals."""
-    data = load(SERVING_CPU)
-    settings = data["settings"]
-
+def serving_rows(summary: list[dict], tokens: str) -> list[list[str]]:
+    """bench_serving.py's summary rows by batch and method: tau, tokens/s (``tokens``
+    formats the median and the 90% interval's ends) and the ratios with intervals."""
     def ratio(cell: dict | None) -> str:
         if not cell:
             return "-"
@@ -430,11 +427,21 @@ def serving_cpu(doc: Doc) -> str:
         return f"{x(cell['median'])} ({low:.2f}-{high:.2f})"
 
     rows = []
-    for r in sorted(data["summary"], key=lambda r: (r["load"], r["method"])):
-        low, high = r["tok_per_s"]["interval_90"]
+    for r in sorted(summary, key=lambda r: (r["load"], r["method"])):
+        speed = r["tok_per_s"]
+        low, high = speed["interval_90"]
         rows.append([str(r["load"]), r["method"], f"{r['tau']:.2f}" if r["tau"] else "-",
-                     f"{r['tok_per_s']['median']:.1f} ({low:.1f}-{high:.1f})",
+                     f"{speed['median']:{tokens}} ({low:{tokens}}-{high:{tokens}})",
                      ratio(r["vs_plain"]), ratio(r["vs_chain"])])
+    return rows
+
+
+@renderer("serving-cpu")
+def serving_cpu(doc: Doc) -> str:
+    """bench_serving.py's offline table of one run: tokens/s and ratios with intervals."""
+    data = load(SERVING_CPU)
+    settings = data["settings"]
+    rows = serving_rows(data["summary"], ".1f")
     return "\n".join([
         table(["batch", "method", "tau", "tokens/s (90% interval)", "÷ plain", "÷ chain"], rows,
               "rllrrr"),
@@ -456,19 +463,9 @@ def serving_h100(doc: Doc) -> str:
     pooled = load(SERVING_H100)
     first = load(Path(pooled["files"][0]).name)
     settings = first["settings"]
-
-    def ratio(cell: dict | None) -> str:
-        if not cell:
-            return "-"
-        low, high = cell["interval_90"]
-        return f"{x(cell['median'])} ({low:.2f}-{high:.2f})"
-
-    rows = []
-    for r in sorted(pooled["rows"], key=lambda r: (r["load"], r["method"])):
-        low, high = r["tok_per_s"]["interval_90"]
-        rows.append([str(r["load"]), r["method"], f"{r['tau']:.2f}" if r["tau"] else "-",
-                     f"{r['tok_per_s']['median']:,.0f} ({low:,.0f}-{high:,.0f})",
-                     ratio(r["vs_plain"]), ratio(r["vs_chain"]), f"{r['runs']} / {r['rounds']}"])
+    rows = [row + [f"{r['runs']} / {r['rounds']}"] for row, r in zip(
+        serving_rows(pooled["rows"], ",.0f"),
+        sorted(pooled["rows"], key=lambda r: (r["load"], r["method"])), strict=True)]
     sources = [SERVING_H100] + [Path(f).name for f in pooled["files"]]
     return "\n".join([
         table(["batch", "method", "tau", "tokens/s (90% interval)", "÷ plain", "÷ chain",
