@@ -26,10 +26,14 @@ step with the next step's drafter pass and hand that pass's saving to the tree s
 before it, making trees look cheaper under load than they are.
 
 Every size is tried at each new scale of batch (batch sizes within a factor of two:
-1, 2-3, 4-7, ...; largest size first), then one step in ``explore_every`` goes to the
-size tried longest ago at that scale; a size tried is held for two steps, so its second
-step is steady and gives a time. So each size's cost is measured near every batch size
-the engine meets, not extrapolated from batches far smaller. The sizer is vLLM's batch-size lookup
+1, 2-3, 4-7, ...; largest size first), so each size's cost is measured near every batch
+size the engine meets, not extrapolated from batches far smaller. After that a size
+other than the best is tried again when it is due: no sooner than one try of some
+size in ``explore_every`` steps would have it, and late enough that the tries of all
+other sizes together cost about ``EXPLORE_SHARE`` more time than the best size would
+have (with five sizes, a size twice as dear as the best is tried every 400 steps, one
+eight times as dear every 2,800). A size tried is held for two steps, so its second step is steady
+and gives a time. The sizer is vLLM's batch-size lookup
 (``scheduler.dynamic_sd_lookup[n]``): the scheduler asks it once per step for the
 drafts to schedule next. Trees of a chosen size are the best trees of that size
 (ops/subtree.py); any size is lossless.
@@ -40,11 +44,12 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-EXPLORE_EVERY = 32  # steps between two visits of the stalest size
+EXPLORE_EVERY = 32  # fewest steps per try, over the sizes other than the best
+EXPLORE_SHARE = 0.02  # most extra time that the tries of other sizes may cost, together
 ACCEPT_WINDOW = 256  # request-steps per size in the acceptance mean
 COST_WINDOW = 15  # steady step times per (size, batch size) in the cost median
 LOG_EVERY_S = 10.0
@@ -75,7 +80,7 @@ class TreeSizer:
     _batches: dict[int, list[int]] = field(init=False)  # size -> batch sizes timed, ascending
     _median: dict[tuple[int, int], float] = field(init=False)  # (size, batch) -> median
     _step: int = field(init=False, default=0)
-    _chosen: dict[int, int] = field(init=False)  # batch size -> size, since the last log
+    _chosen: dict[int, Counter] = field(init=False)  # batch -> sizes chosen, since the log
     _last_log: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
@@ -100,14 +105,27 @@ class TreeSizer:
         untried = [k for k in self.sizes if (scale, k) not in tried]
         if self._hold is not None:
             k, self._hold = self._hold, None
-        elif untried or self._step % self.explore_every == 0:
-            k = untried[-1] if untried else min(self.sizes, key=lambda s: tried[(scale, s)])
-            self._hold = k  # its second step is steady: a time for this size
+        elif untried:
+            k = self._hold = untried[-1]  # held: its second step is steady, a time
         else:
             k = self.best(num_reqs)
+            due = [s for s in self.sizes if s != k and self._due(num_reqs, scale, s, k)]
+            if due:
+                k = self._hold = min(due, key=lambda s: tried[(scale, s)])
         tried[(scale, k)] = self._step
-        self._chosen[num_reqs] = k
+        self._chosen.setdefault(num_reqs, Counter())[k] += 1
         return k
+
+    def _due(self, num_reqs: int, scale: int, k: int, best: int) -> bool:
+        """Whether size ``k`` should be tried again instead of ``best`` (module docstring)."""
+        waited = self._step - self._last_tried[(scale, k)]
+        if waited < self.explore_every * (len(self.sizes) - 1):  # one try in explore_every
+            return False
+        t_k, t_best = self.step_time(num_reqs, k), self.step_time(num_reqs, best)
+        if t_k is None or t_best is None:
+            return True
+        share = EXPLORE_SHARE / (len(self.sizes) - 1)  # each other size's part
+        return waited * share * t_best >= 2 * (t_k - t_best)
 
     def best(self, num_reqs: int) -> int:
         """The size with the most expected tokens per second at this batch size (the
@@ -174,13 +192,15 @@ class TreeSizer:
         self._median[(k, num_reqs)] = statistics.median(self._cost[k][num_reqs])
 
     def report(self, now: float | None = None) -> str | None:
-        """A log line of the sizes chosen since the last one, at most every LOG_EVERY_S,
-        with the estimates behind the choice at the largest batch among them."""
+        """A log line of the size chosen most often at each batch size since the last
+        one, at most every LOG_EVERY_S, with the estimates behind the choice at the
+        largest batch among them."""
         now = time.monotonic() if now is None else now
         if not self._chosen or now - self._last_log < LOG_EVERY_S:
             return None
         self._last_log = now
-        chosen = ", ".join(f"{n} reqs: {k}" for n, k in sorted(self._chosen.items()))
+        chosen = ", ".join(f"{n} reqs: {sizes.most_common(1)[0][0]}"
+                           for n, sizes in sorted(self._chosen.items()))
         widest = max(self._chosen)
         self._chosen = {}
         means = ", ".join(
