@@ -417,9 +417,11 @@ def projection_8b(doc: Doc) -> str:
     ])
 
 
-def serving_rows(summary: list[dict], tokens: str) -> list[list[str]]:
+def serving_rows(summary: list[dict], tokens: str,
+                 extra: Callable[[dict], list[str]] = lambda r: []) -> list[list[str]]:
     """bench_serving.py's summary rows by batch and method: tau, tokens/s (``tokens``
-    formats the median and the 90% interval's ends) and the ratios with intervals."""
+    formats the median and the 90% interval's ends), the ratios with intervals, then
+    ``extra(row)``'s cells."""
     def ratio(cell: dict | None) -> str:
         if not cell:
             return "-"
@@ -432,7 +434,7 @@ def serving_rows(summary: list[dict], tokens: str) -> list[list[str]]:
         low, high = speed["interval_90"]
         rows.append([str(r["load"]), r["method"], f"{r['tau']:.2f}" if r["tau"] else "-",
                      f"{speed['median']:{tokens}} ({low:{tokens}}-{high:{tokens}})",
-                     ratio(r["vs_plain"]), ratio(r["vs_chain"])])
+                     ratio(r["vs_plain"]), ratio(r["vs_chain"]), *extra(r)])
     return rows
 
 
@@ -463,9 +465,7 @@ def serving_h100(doc: Doc) -> str:
     pooled = load(SERVING_H100)
     first = load(Path(pooled["files"][0]).name)
     settings = first["settings"]
-    rows = [row + [f"{r['runs']} / {r['rounds']}"] for row, r in zip(
-        serving_rows(pooled["rows"], ",.0f"),
-        sorted(pooled["rows"], key=lambda r: (r["load"], r["method"])), strict=True)]
+    rows = serving_rows(pooled["rows"], ",.0f", lambda r: [f"{r['runs']} / {r['rounds']}"])
     sources = [SERVING_H100] + [Path(f).name for f in pooled["files"]]
     return "\n".join([
         table(["batch", "method", "tau", "tokens/s (90% interval)", "÷ plain", "÷ chain",

@@ -32,8 +32,8 @@ other than the best is tried again when it is due: no sooner than one try of som
 size in ``explore_every`` steps would have it, and late enough that the tries of all
 other sizes together cost about ``EXPLORE_SHARE`` more time than the best size would
 have (with five sizes, a size twice as dear as the best is tried every 400 steps, one
-eight times as dear every 2,800). A size tried is held for two steps, so its second step is steady
-and gives a time. The sizer is vLLM's batch-size lookup
+eight times as dear every 2,800). A size tried is held for two steps, so its second
+step is steady and gives a time. The sizer is vLLM's batch-size lookup
 (``scheduler.dynamic_sd_lookup[n]``): the scheduler asks it once per step for the
 drafts to schedule next. Trees of a chosen size are the best trees of that size
 (ops/subtree.py); any size is lossless.
