@@ -40,8 +40,10 @@ PROMPTS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", type=Path, default=None)
-    p.add_argument("--drafter", type=Path, default=None)
+    p.add_argument("--target", type=Path, default=None,
+                   help="an HF target directory (with --drafter)")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="a DFlash drafter; alone: one for the real target (SmolLM2-135M)")
     p.add_argument("--pair", choices=("auto", "real", "tiny"), default="auto",
                    help="without --target/--drafter: the SmolLM2 pair (real), tiny random "
                         "models built here (tiny), or real when its drafter is in models/")
@@ -137,14 +139,25 @@ def engine_overrides(name: str) -> tuple[str | None, bool | None]:
     return None, None
 
 
+def check_model_args(args: argparse.Namespace) -> None:
+    """--target needs its --drafter; --drafter alone is a drafter for the real target
+    (SmolLM2-135M), so it cannot go with --pair tiny."""
+    if args.target and not args.drafter:
+        raise SystemExit("--target needs --drafter: a DFlash drafter trained for that target")
+    if args.drafter and not args.target and args.pair == "tiny":
+        raise SystemExit("--drafter without --target is a drafter for the real target "
+                         "(SmolLM2-135M); --pair tiny builds its own drafter")
+
+
 def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
+    check_model_args(args)
     if args.target and args.drafter:
         return args.target, args.drafter
-    if args.pair == "real" or (args.pair == "auto"
-                               and (TRAINED_DRAFTER / "config.json").exists()):
+    if args.drafter or args.pair == "real" or (args.pair == "auto"
+                                               and (TRAINED_DRAFTER / "config.json").exists()):
         from vllm_ddtree.checkpoints.smollm2 import make_smollm2
 
-        return make_smollm2(), TRAINED_DRAFTER
+        return make_smollm2(), args.drafter or TRAINED_DRAFTER
     from vllm_ddtree.checkpoints import tiny as tiny_models
 
     root = Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree"))

@@ -53,8 +53,10 @@ DDTREE_NAME = re.compile(r"ddtree(\d+)(?:-k(\d+))?(-adaptive)?$")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", type=Path, default=None)
-    p.add_argument("--drafter", type=Path, default=None)
+    p.add_argument("--target", type=Path, default=None,
+                   help="an HF target directory (with --drafter)")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="a DFlash drafter; alone: one for the real target (SmolLM2-135M)")
     p.add_argument("--pair", choices=("auto", "real", "tiny"), default="auto",
                    help="without --target/--drafter: the SmolLM2 pair (real) or tiny random "
                         "models (tiny; also the smoke plan for every option left out: "
@@ -78,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="all engines alive and timed in turn (default with CUDA), or each "
                         "started, timed and stopped before the next (default on a CPU)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--graphs", action="store_true", help="torch.compile + CUDA graphs (GPU)")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile + CUDA graphs (GPU); --no-graphs: eager")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="per engine; default 0.3, together at most 0.85 over the engines")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -345,12 +348,13 @@ def plan_lines(args: argparse.Namespace, methods: list[Method], sizes: dict[str,
 
 def plan_models(args: argparse.Namespace) -> tuple[str, Path, int]:
     """(target label, drafter, block size) without building anything, for --dry-run."""
+    bench_e2e.check_model_args(args)
     if args.target and args.drafter:
         target, drafter = str(args.target), args.drafter
-    elif args.pair == "real" or (args.pair == "auto"
-                                 and (bench_e2e.TRAINED_DRAFTER / "config.json").exists()):
+    elif args.drafter or args.pair == "real" or (
+            args.pair == "auto" and (bench_e2e.TRAINED_DRAFTER / "config.json").exists()):
         target, drafter = "SmolLM2-135M-Instruct (converted on first use)", \
-            bench_e2e.TRAINED_DRAFTER
+            args.drafter or bench_e2e.TRAINED_DRAFTER
     else:
         return "tiny random Llama (built on first use)", Path("<tiny drafter>"), 8
     return target, drafter, json.loads((drafter / "config.json").read_text())["block_size"]

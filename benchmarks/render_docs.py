@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import prompt_sets  # benchmarks/, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
@@ -50,6 +52,7 @@ PROJECTION_TAU = {"chain": ("e2e_h200_b89fd64.json", "chain"),
 SERVING_CPU = "serving_cpu_mtbench.json"
 # bench_serving.py --summarize over the H100 runs of one plan (the first file's settings).
 SERVING_H100 = "serving_h100_offline_mtbench.json"
+DRAFTERS_CPU = {"b8": "drafter_cpu_tau_b8.json", "b16": "drafter_cpu_tau_b16.json"}
 TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
 TREE_OPS = ("tree_ops_preorder_fused_ab_h200.json", "fused")
 PROFILE = "gpu_profile_20261204_cb12350_real.json"
@@ -479,6 +482,32 @@ def serving_h100(doc: Doc) -> str:
          "batch 8 and above pool fewer rounds. ddtree16-adaptive is the tree sized per step "
          "(budget 16 the ceiling) before its sizer timed only steady steps. Sources: "
          + ", ".join(doc.link(n) for n in sources) + "."),
+    ])
+
+
+@renderer("drafters-cpu")
+def drafters_cpu(doc: Doc) -> str:
+    """The shipped drafters' acceptance on the benchmark sets (bench_serving.py's
+    counted pass per method and set): tau and acceptance by depth."""
+    rows, settings = [], None
+    for name, file in DRAFTERS_CPU.items():
+        data = load(file)
+        settings = data["settings"]
+        block = json.loads((ROOT / data["drafter"] / "config.json").read_text())["block_size"]
+        for t in sorted(data["tau"], key=lambda t: (t["set"], t["method"])):
+            depth = " ".join(f"{a:.2f}".lstrip("0") for a in t["accept_rate_per_depth"][:5])
+            rows.append([name, str(block), t["set"], t["method"], f"{t['tau']:.2f}", depth])
+    return "\n".join([
+        table(["drafter", "block", "set", "method", "tau", "acceptance at depth 1-5"], rows,
+              "lrllrl"),
+        "",
+        (f"vLLM on the CPU, {settings['dtype']}, greedy, batch {settings['batches'][0]}, the "
+         f"same {prompt_sets.pass_size('offline', settings['batches'][0], settings['min_prompts'])}"
+         " prompts of each set for every row (the sets shuffled as everywhere in "
+         f"bench_serving.py), {settings['max_tokens']} new tokens per request; the chain "
+         "drafts block size - 1 tokens, ddtree16 verifies a tree of 16 with no top-k cap. "
+         "tau: tokens committed per verify step. Sources: "
+         + ", ".join(doc.link(f) for f in DRAFTERS_CPU.values()) + "."),
     ])
 
 

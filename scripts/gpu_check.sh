@@ -9,9 +9,9 @@
 # the step-cost benchmark (BENCH_ARGS), the MLA tree kernel's (mla-bench) or its profile (PROFILE_ARGS; PROFILE_PAIR=real for
 # the real pair), and keeps logs and results under $OUT (or
 # ./gpu-out). `e2e` runs benchmarks/bench_e2e.py (E2E_ARGS) on the real pair: the
-# SmolLM2 target converted from its GGUF, whose first chunk an earlier warm call
+# SmolLM2 target converted from its GGUF, whose first chunks earlier warm calls
 # stashed with `KIT_DEST=/root/gguf bash training/device_run.sh stash` and whose
-# second chunk, checksum and gguf wheel (.dflash_kit/, training/device_kit.sh) this
+# last chunk, checksum and gguf wheel (.dflash_kit/, training/device_kit.sh) this
 # call carries. With E2E_PAIR=tiny it runs on tiny random models built there instead.
 # `serving` runs benchmarks/bench_serving.py (SERVING_ARGS, SERVING_STEM, SERVING_TIMEOUT,
 # SERVING_PAIR=tiny) the same way; it also installs the wheels carried in .serving_kit/
@@ -58,12 +58,12 @@ if [ "$what" = mla-bench ]; then
     | grep -v "^INFO\|^(EngineCore" | tail -60
   rc=${PIPESTATUS[0]}; echo "mla-bench exit code: $rc"
 fi
-# The SmolLM2 target, converted from its GGUF (first chunk stashed by an earlier warm
-# call, second chunk, checksum and gguf wheel carried by this one); prints its directory.
+# The SmolLM2 target, converted from its GGUF (first chunks stashed by earlier warm
+# calls, the last chunk, checksum and gguf wheel carried by this one); prints its directory.
 real_target() {
   local gdir=/root/gguf gguf=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
   mkdir -p "$gdir"
-  [ -f "$gguf" ] || { cp .dflash_kit/part_* "$gdir"/ && cat "$gdir"/part_a? > "$gguf"; }
+  [ -f "$gguf" ] || { cp .dflash_kit/part_* "$gdir"/ 2>/dev/null; cat "$gdir"/part_a? > "$gguf"; }
   (cd "$gdir" && sha256sum -c "$OLDPWD/.dflash_kit/SHA256SUMS") >&2 || return 3
   python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site \
     .dflash_kit/gguf-*.whl >&2 || return 1

@@ -1,10 +1,10 @@
 #!/bin/bash
 # Here, before the device calls: build the vLLM 0.33 kit (../shared/gpu/build_vllm_kit.sh)
 # and cut it into chunks that fit one call next to this repository. A call carries at
-# most 64 MiB, the repository is about 10 MiB (the trained drafter in models/), and the
-# kit's own 60 MiB chunks do not fit beside it.
-#   bash scripts/gpu_kit.sh          # dense targets: 2 chunks
-#   bash scripts/gpu_kit.sh --moe    # with vLLM's fused-MoE extension (DeepSeek-V3, Kimi): 3 chunks
+# most 64 MiB, the repository is about 23 MiB (the two trained drafters in models/), and
+# the kit's own 60 MiB chunks do not fit beside it.
+#   bash scripts/gpu_kit.sh          # dense targets
+#   bash scripts/gpu_kit.sh --moe    # with vLLM's fused-MoE extension (DeepSeek-V3, Kimi): 4 chunks
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 kit_builder=${KIT_BUILDER:-../shared/gpu/build_vllm_kit.sh}
@@ -18,7 +18,7 @@ if [ ! -f "$cache/kit.tar.xz" ]; then
 fi
 mkdir -p .gpukit
 rm -f .gpukit/part_*
-split -b "${CHUNK:-49M}" "$cache/kit.tar.xz" .gpukit/part_
+split -b "${CHUNK:-36M}" "$cache/kit.tar.xz" .gpukit/part_
 (cd .gpukit && ls part_* > MANIFEST && sha256sum < "$cache/kit.tar.xz" | cut -d' ' -f1 >> MANIFEST)
 repo=$(git ls-files -z | xargs -0 du -cb | tail -n 1 | cut -f1)
 for part in .gpukit/part_*; do

@@ -46,7 +46,8 @@ def plot_curve(log: dict, out: str | Path) -> Path | None:
     ax.set_xlabel("training tokens (sequence tokens the batches covered)")
     ax.set_ylabel("predicted acceptance length (greedy chain)")
     s = log.get("settings", {})
-    ax.set_title(f"{Path(str(s.get('target', 'target'))).name}: block {s.get('block_size')}, "
+    name = Path(s["target"]).name if s.get("target") else s.get("preset") or "target"
+    ax.set_title(f"{name}: block {s.get('block_size')}, "
                  f"{s.get('drafter_layers')} layer(s)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()

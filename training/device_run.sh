@@ -3,9 +3,10 @@
 # most 10 minutes (docs/training.md, "On the lent H200"). The machine stays warm about
 # 30 s after a call, and /root survives between warm calls.
 #
-# The SmolLM2 target (its GGUF, 98 MB, is more than one call may carry):
-#   call 1, carry [.dflash_kit/part_aa]:           bash training/device_run.sh stash
-#   call 2, carry [.dflash_kit/part_ab, .dflash_kit/SHA256SUMS,
+# The SmolLM2 target (its GGUF, 98 MB in three chunks, is more than one call may carry):
+#   calls 1 and 2, carry [.dflash_kit/part_aa], then [.dflash_kit/part_ab]:
+#                                                  bash training/device_run.sh stash
+#   call 3, carry [.dflash_kit/part_ac, .dflash_kit/SHA256SUMS,
 #                  .dflash_kit/prompts.json, .dflash_kit/gguf-0.19.0-py3-none-any.whl]:
 #     bash training/device_run.sh train [ARGS]        a new run: --preset smollm2 ARGS
 #     bash training/device_run.sh resume DIR [ARGS]   continue the run in DIR
@@ -29,7 +30,7 @@ mkdir -p "$DEST"
 
 smollm2_kit() {  # the GGUF reassembled on this machine, and the gguf reader
   if [ ! -f "$DEST/$GGUF" ]; then  # a warm machine may still have it
-    cp "$KIT"/part_* "$DEST"/
+    cp "$KIT"/part_* "$DEST"/ 2>/dev/null || true  # the chunk this call carries, if any
     cat "$DEST"/part_a? > "$DEST/$GGUF"
   fi
   (cd "$DEST" && sha256sum -c "$OLDPWD/$KIT/SHA256SUMS") || {

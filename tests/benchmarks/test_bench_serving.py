@@ -565,3 +565,17 @@ def test_plot_without_rows_draws_nothing(tmp_path):
     """A run whose engines all failed has no rows: no figure, no error."""
     assert serving_summary.plot([], tmp_path / "none.png") is False
     assert not (tmp_path / "none.png").exists()
+
+
+def test_a_drafter_alone_pairs_with_the_real_target(capsys):
+    """--drafter without --target serves the real target (the shipped b16 drafter's
+    block size reaches the chain); --target needs its drafter; --pair tiny has its own."""
+    b16 = Path(bench.__file__).resolve().parent.parent / "models" / "dflash-smollm2-135m-b16"
+    bench.main(["--dry-run", "--sets", "smoke", "--methods", "chain", "--drafter", str(b16)])
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M" in out and f"{b16} (block 16)" in out
+    assert '"num_speculative_tokens": 15' in out
+    with pytest.raises(SystemExit, match="--target needs --drafter"):
+        bench.main(["--dry-run", "--sets", "smoke", "--target", str(b16)])
+    with pytest.raises(SystemExit, match="--pair tiny"):
+        bench.main(["--dry-run", "--pair", "tiny", "--drafter", str(b16)])

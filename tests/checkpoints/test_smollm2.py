@@ -26,7 +26,8 @@ from vllm_ddtree.checkpoints import smollm2 as real_models
 from vllm_ddtree.checkpoints import tiny as tm
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAINED = ROOT / "models" / "dflash-smollm2-135m-b8"
+SHIPPED = {8: ROOT / "models" / "dflash-smollm2-135m-b8",
+           16: ROOT / "models" / "dflash-smollm2-135m-b16"}
 
 
 @pytest.mark.slow
@@ -136,19 +137,21 @@ def test_blocks_in_one_forward_are_independent(tiny_pair) -> None:
                 torch.testing.assert_close(together[b, j], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_trained_checkpoint_format() -> None:
-    """The shipped drafter has the z-lab layout vLLM's native dflash loads."""
-    if not (TRAINED / "model.safetensors").is_file():
-        pytest.skip(f"{TRAINED} not present")
-    cfg = json.loads((TRAINED / "config.json").read_text())
+@pytest.mark.parametrize("block", sorted(SHIPPED))
+def test_trained_checkpoint_format(block: int) -> None:
+    """The shipped drafters have the z-lab layout vLLM's native dflash loads."""
+    drafter = SHIPPED[block]
+    if not (drafter / "model.safetensors").is_file():
+        pytest.skip(f"{drafter} not present")
+    cfg = json.loads((drafter / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 30
+    assert cfg["block_size"] == block and cfg["num_target_layers"] == 30
     assert all(0 <= i < 30 for i in cfg["dflash_config"]["target_layer_ids"])
     assert 0 <= cfg["dflash_config"]["mask_token_id"] < cfg["vocab_size"] == 49152
-    with safe_open(str(TRAINED / "model.safetensors"), "pt") as f:
+    with safe_open(str(drafter / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16
     expected = set(DFlashDrafter(DrafterConfig.from_hf_config(cfg)).state_dict())
     assert names == expected
     assert not any("embed_tokens" in n or "lm_head" in n or n.startswith("model.") for n in names)
-    assert (TRAINED / "model.safetensors").stat().st_size <= 16 * 2**20
+    assert (drafter / "model.safetensors").stat().st_size <= 16 * 2**20

@@ -1,4 +1,4 @@
-"""The real pair: SmolLM2-135M-Instruct and the DFlash drafter trained for it.
+"""The real pair: SmolLM2-135M-Instruct and the DFlash drafters trained for it.
 
 Greedy DDTree output must equal non-speculative output on the real model in
 float32, and the e2e benchmark's --quick mode (the one CI runs) must complete
@@ -16,7 +16,9 @@ from tests.e2e_utils import greedy, make_llm, shutdown, spec_metrics
 
 pytestmark = pytest.mark.slow
 
-DRAFTER = Path(__file__).resolve().parents[2] / "models" / "dflash-smollm2-135m-b8"
+MODELS = Path(__file__).resolve().parents[2] / "models"
+DRAFTER = MODELS / "dflash-smollm2-135m-b8"
+DRAFTER_B16 = MODELS / "dflash-smollm2-135m-b16"
 QUESTIONS = [
     "Write a Python function that reverses a string.",
     "What is the capital of France?",
@@ -32,12 +34,23 @@ def _chat_prompts(model: Path) -> list[str]:
                                     add_generation_prompt=True) for q in QUESTIONS]
 
 
-def test_greedy_identical_on_the_real_model(smollm2):
+@pytest.fixture(scope="module")
+def plain_greedy(smollm2):
+    """(chat prompts, non-speculative greedy output): the reference of every drafter."""
     prompts = _chat_prompts(smollm2)
     llm = make_llm(str(smollm2), max_model_len=512)
-    expected = greedy(llm, prompts, 48)
-    shutdown(llm)
-    config = {"method": "ddtree", "model": str(DRAFTER), "ddtree_budget": 16,
+    try:
+        return prompts, greedy(llm, prompts, 48)
+    finally:
+        shutdown(llm)
+
+
+# Each shipped drafter with a budget past its depth bound (block_size - 1).
+@pytest.mark.parametrize(("drafter", "budget"), [(DRAFTER, 16), (DRAFTER_B16, 24)],
+                         ids=["b8", "b16"])
+def test_greedy_identical_on_the_real_model(smollm2, plain_greedy, drafter, budget):
+    prompts, expected = plain_greedy
+    config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": budget,
               "ddtree_topk_cap": 4}
     llm = make_llm(str(smollm2), config, max_model_len=512)
     try:
