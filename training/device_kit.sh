@@ -9,6 +9,8 @@
 #                      the device's Python (stdlib docstrings differ by version)
 #   prompts_large.json.gz  the same with 3,000 standard-library functions (13,610
 #                      prompts; the block-16 drafter's), gzipped to fit a call
+#   prompts_words.json.gz  that and 12,000 open requests around words of SmolLM2's
+#                      vocabulary (25,610 prompts)
 # Then see training/device_run.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,4 +27,7 @@ ls "$KIT"/gguf-*.whl >/dev/null 2>&1 || \
 $PY -m training.prompts "$KIT/prompts.json"
 $PY -m training.prompts "$KIT/prompts_large.json" --functions 3000
 gzip -9f "$KIT/prompts_large.json"
+vocab="$($PY -m vllm_ddtree.checkpoints.smollm2)/tokenizer.json"
+$PY -m training.prompts "$KIT/prompts_words.json" --functions 3000 --words 12000 --vocab "$vocab"
+gzip -9f "$KIT/prompts_words.json"
 ls -la "$KIT"

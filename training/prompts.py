@@ -4,7 +4,9 @@ Sources: the Zen of Python, the docstrings of a fixed list of stdlib modules, an
 instruction-style prompts (code, math, chat, prose) generated from templates with
 a seeded RNG; on request (``--functions N``) also N functions of the standard
 library's own source, each asked for by its signature and docstring, explained and
-tested (real code in its variety, grouped by module). The continuations come from the target model itself, so only the
+tested (real code in its variety, grouped by module), and (``--words N --vocab
+TOKENIZER_JSON``) N open requests of MT-Bench-like kinds around words of the target's
+own vocabulary. The continuations come from the target model itself, so only the
 prompts need to be varied; their quality matters little.
 
 Each prompt carries the name of its template (``group``), so that the held-out split
@@ -260,13 +262,80 @@ def function_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
     return [(form.format(**f), f"lib:{f['module']}") for f in chosen for form in FUNCTION_FORMS]
 
 
-def build_prompt_records(num_instructions: int = 2500, seed: int = 0,
-                         functions: int = 0) -> list[dict[str, str]]:
+# Open requests around one word (or two) of the target's own vocabulary: MT-Bench-like
+# kinds (writing, role-play, explanation, comparison, reasoning) over thousands of
+# words instead of a few hand-picked topics. The word is quoted, so a function word or
+# a word piece still makes a request the target can answer.
+WORD_FORMS = [
+    'What does the word "{w}" mean? Explain it with two examples.',
+    'Write a short story in which "{w}" matters.',
+    'Write a poem inspired by the word "{w}".',
+    'Use the word "{w}" in five sentences of different kinds.',
+    'Write a dialogue between two friends about "{w}".',
+    'Explain "{w}" to a ten-year-old.',
+    'Write a blog post titled "Why {w} matters".',
+    'Pretend you are a teacher and give a short lesson about "{w}".',
+    'List five questions people might ask about "{w}", then answer the first one.',
+    'Compare "{w}" and "{w2}": how are they alike, and how do they differ?',
+    'Write a persuasive paragraph that mentions "{w}" and "{w2}".',
+    'Tell a joke about "{w}" and explain why it is funny.',
+    'Summarize what you know about "{w}" in three bullet points.',
+    'Write a riddle whose answer is "{w}".',
+    'Write a product description for something called "{w2} {w}".',
+    'Describe a day in the life of someone who loves "{w}".',
+    'Give a step-by-step plan for a school project about "{w}".',
+    'Turn the idea of "{w}" into a metaphor and explain it.',
+    'You are a travel guide in a town famous for "{w}". Describe a walk through it.',
+    'Is "{w}" a good name for a pet? Give reasons for and against.',
+]
+# A word-start marker of the common tokenizers: byte-level BPE (GPT-2 style) and
+# SentencePiece.
+WORD_START = ("\u0120", "\u2581")
+
+
+def vocabulary_words(tokenizer_json: str | Path, min_len: int = 5,
+                     max_len: int = 12) -> list[str]:
+    """Lower-case words of ``min_len``-``max_len`` letters that a tokenizer
+    (``tokenizer.json`` of a Hugging Face fast tokenizer) has as word-initial tokens
+    both as written and capitalized (which drops most word pieces), in vocabulary order."""
+    vocab = json.loads(Path(tokenizer_json).read_text())["model"]["vocab"]
+    if isinstance(vocab, list):  # Unigram models list [piece, score] pairs
+        vocab = {piece: i for i, (piece, _score) in enumerate(vocab)}
+    words = {}
+    for token in vocab:
+        for mark in WORD_START:
+            word = token[len(mark):] if token.startswith(mark) else ""
+            if (min_len <= len(word) <= max_len and word.isascii() and word.isalpha()
+                    and word.islower() and mark + word.capitalize() in vocab):
+                words[word] = True
+    return list(words)
+
+
+def word_prompts(rng: random.Random, n: int, words: list[str]) -> list[tuple[str, str]]:
+    """``n`` requests of WORD_FORMS over ``words`` (distinct prompts, fewer if the
+    words run out); the group is the form, so a held-out form shares none with
+    training."""
+    if len(words) < 2:
+        raise ValueError("word prompts need at least two vocabulary words")
+    out: dict[str, str] = {}
+    for _ in range(20 * n):
+        if len(out) >= n:
+            break
+        k = rng.randrange(len(WORD_FORMS))
+        w, w2 = rng.sample(words, 2)
+        out.setdefault(WORD_FORMS[k].format(w=w, w2=w2), f"words:{k}")
+    return list(out.items())
+
+
+def build_prompt_records(num_instructions: int = 2500, seed: int = 0, functions: int = 0,
+                         words: int = 0, vocab: str | Path | None = None,
+                         ) -> list[dict[str, str]]:
     """All prompts as ``{"prompt", "group"}`` records, deduplicated, in a fixed order.
     The group names the template (or the module of a stdlib function), so a held-out
     split by group shares no template with training (``training.corpus``).
     ``functions`` adds that many stdlib functions' prompts after the rest (0: the
-    corpus the shipped drafter was trained on)."""
+    corpus the shipped drafter was trained on). ``words`` adds that many requests
+    around words of the tokenizer ``vocab`` (its ``tokenizer.json``) after those."""
     rng = random.Random(seed)
     records: list[tuple[str, str]] = []
     for line in zen_lines():
@@ -282,6 +351,10 @@ def build_prompt_records(num_instructions: int = 2500, seed: int = 0,
     records += instruction_prompts(rng, num_instructions)
     if functions:
         records += function_prompts(random.Random(seed + 1), functions)
+    if words:
+        if vocab is None:
+            raise ValueError("word prompts need a tokenizer's vocabulary (vocab)")
+        records += word_prompts(random.Random(seed + 2), words, vocabulary_words(vocab))
     first = dict(reversed(records))  # text -> the group of its first occurrence
     return [{"prompt": text, "group": first[text]} for text in dict.fromkeys(t for t, _ in records)]
 
@@ -296,8 +369,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", nargs="?", default="prompts.json")
     parser.add_argument("--functions", type=int, default=0,
                         help="add prompts from this many stdlib functions (4 each)")
+    parser.add_argument("--words", type=int, default=0,
+                        help="add this many open requests around words of --vocab")
+    parser.add_argument("--vocab", metavar="TOKENIZER_JSON",
+                        help="the target's tokenizer.json, the words' source")
     args = parser.parse_args(argv)
-    records = build_prompt_records(functions=args.functions)
+    if args.words and not args.vocab:
+        parser.error("--words needs --vocab (the target's tokenizer.json)")
+    records = build_prompt_records(functions=args.functions, words=args.words,
+                                   vocab=args.vocab)
     with open(args.out, "w") as fh:
         json.dump(records, fh, indent=0)
     groups = len({r["group"] for r in records})

@@ -579,3 +579,15 @@ def test_a_drafter_alone_pairs_with_the_real_target(capsys):
         bench.main(["--dry-run", "--sets", "smoke", "--target", str(b16)])
     with pytest.raises(SystemExit, match="--pair tiny"):
         bench.main(["--dry-run", "--pair", "tiny", "--drafter", str(b16)])
+
+
+@needs_packages
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mt-bench", "humaneval"])
+def test_benchmark_sets_share_nothing_with_the_word_prompts(name, smollm2):
+    """The open requests around the real target's vocabulary words
+    (``python -m training.prompts --words 12000 --vocab .../tokenizer.json``)."""
+    records = build_prompt_records(words=12000, vocab=smollm2 / "tokenizer.json")
+    prompts = [r["prompt"] for r in records if r["group"].startswith("words:")]
+    assert len(prompts) == 12000
+    assert prompt_sets.find_overlaps(prompt_sets.load_set(name), prompts) == []

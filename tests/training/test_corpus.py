@@ -101,3 +101,59 @@ def test_prompts_command_writes_the_larger_corpus(tmp_path, capsys):
     records = json.loads((tmp_path / "p.json").read_text())
     assert sum(r["group"].startswith("lib:") for r in records) == 200
     assert "prompts in" in capsys.readouterr().out
+
+
+def _tokenizer_json(path, vocab):
+    path.write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab}}))
+    return path
+
+
+def test_vocabulary_words_keep_whole_words_of_either_marker(tmp_path):
+    """Word-initial tokens of 5-12 lower-case letters whose capitalized form is a
+    token too (word pieces rarely are); byte-level BPE's and SentencePiece's markers;
+    a Unigram vocabulary's [piece, score] list."""
+    from training.prompts import vocabulary_words
+
+    g, s = "\u0120", "\u2581"
+    vocab = {f"{g}castle": 0, f"{g}Castle": 1, f"{g}includ": 2,  # a piece: no capital
+             f"{g}tiny": 3, f"{g}Tiny": 4,  # too short
+             f"{g}caf\u00e9s": 5, f"{g}Caf\u00e9s": 6,  # not ASCII
+             "castle": 7, f"{s}garden": 8, f"{s}Garden": 9, f"{g}gardens": 10,
+             f"{g}Gardens": 11, f"{g}extraordinarily": 12, f"{g}Extraordinarily": 13}
+    words = vocabulary_words(_tokenizer_json(tmp_path / "t.json", vocab))
+    assert words == ["castle", "garden", "gardens"]
+    unigram = [[piece, -1.0] for piece in vocab]
+    assert vocabulary_words(_tokenizer_json(tmp_path / "u.json", unigram)) == words
+
+
+def test_word_prompts_follow_the_functions_grouped_by_form(tmp_path):
+    """``--words N --vocab``: N distinct requests after the rest of the corpus, one
+    group per form, deterministic; the split holds out whole forms."""
+    from training.prompts import WORD_FORMS
+
+    g = "\u0120"
+    words = ["castle", "garden", "river", "engine", "violin", "planet", "harbor", "pepper"]
+    vocab = {f"{g}{w}": i for i, w in enumerate(words)}
+    vocab |= {f"{g}{w.capitalize()}": 100 + i for i, w in enumerate(words)}
+    path = _tokenizer_json(tmp_path / "t.json", vocab)
+    base = build_prompt_records(functions=20)
+    records = build_prompt_records(functions=20, words=300, vocab=path)
+    assert records[: len(base)] == base
+    added = records[len(base):]
+    assert len(added) == len({r["prompt"] for r in added}) == 300
+    assert {r["group"] for r in added} == {f"words:{k}" for k in range(len(WORD_FORMS))}
+    assert all(any(w in r["prompt"] for w in words) for r in added)
+    assert build_prompt_records(functions=20, words=300, vocab=path) == records
+    held = split_heldout([r["group"] for r in records], 0.2, seed=0)
+    train = {r["prompt"] for r in records if r["group"] not in held}
+    assert train and not train & {r["prompt"] for r in records if r["group"] in held}
+    with pytest.raises(ValueError, match="vocab"):
+        build_prompt_records(words=10)
+
+
+def test_prompts_command_needs_a_vocabulary_for_words(tmp_path, capsys):
+    from training.prompts import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "p.json"), "--words", "10"])
+    assert "--words needs --vocab" in capsys.readouterr().err
