@@ -149,15 +149,25 @@ def check_model_args(args: argparse.Namespace) -> None:
                          "(SmolLM2-135M); --pair tiny builds its own drafter")
 
 
+def real_target_drafter(args: argparse.Namespace) -> Path | None:
+    """The drafter to pair with the real target (SmolLM2-135M) when no --target is
+    given: --drafter, or the shipped one for --pair real (and auto, when it is there);
+    None for the tiny pair."""
+    if args.drafter or args.pair == "real" or (args.pair == "auto"
+                                               and (TRAINED_DRAFTER / "config.json").exists()):
+        return args.drafter or TRAINED_DRAFTER
+    return None
+
+
 def resolve_models(args: argparse.Namespace) -> tuple[Path, Path]:
     check_model_args(args)
     if args.target and args.drafter:
         return args.target, args.drafter
-    if args.drafter or args.pair == "real" or (args.pair == "auto"
-                                               and (TRAINED_DRAFTER / "config.json").exists()):
+    drafter = real_target_drafter(args)
+    if drafter is not None:
         from vllm_ddtree.checkpoints.smollm2 import make_smollm2
 
-        return make_smollm2(), args.drafter or TRAINED_DRAFTER
+        return make_smollm2(), drafter
     from vllm_ddtree.checkpoints import tiny as tiny_models
 
     root = Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree"))

@@ -351,10 +351,8 @@ def plan_models(args: argparse.Namespace) -> tuple[str, Path, int]:
     bench_e2e.check_model_args(args)
     if args.target and args.drafter:
         target, drafter = str(args.target), args.drafter
-    elif args.drafter or args.pair == "real" or (
-            args.pair == "auto" and (bench_e2e.TRAINED_DRAFTER / "config.json").exists()):
-        target, drafter = "SmolLM2-135M-Instruct (converted on first use)", \
-            args.drafter or bench_e2e.TRAINED_DRAFTER
+    elif (drafter := bench_e2e.real_target_drafter(args)) is not None:
+        target = "SmolLM2-135M-Instruct (converted on first use)"
     else:
         return "tiny random Llama (built on first use)", Path("<tiny drafter>"), 8
     return target, drafter, json.loads((drafter / "config.json").read_text())["block_size"]
