@@ -44,15 +44,16 @@ GPU_STEP = "gpu_step_20261202_9d08fc0_v2.json"
 # Step cost by batch up to 64 and by tree size (the load question), one H200 session.
 GPU_STEP_KIMI = "gpu_step_kimi_h200.json"
 GPU_STEP_LOAD = ("gpu_step_h200_v2_load.json", "gpu_step_h200_v2_small_trees.json")
-# The real pair's tau at T=0, batch 8, by method, for the 8B-shaped projection.
-PROJECTION_TAU = {"chain": ("e2e_h200_b89fd64.json", "chain"),
-                  ("ddtree", 8): ("e2e_h200_interleave_2.json", "ddtree-b8-k4"),
-                  ("ddtree", 16): ("e2e_h200_b89fd64.json", "ddtree-b16-knone")}
+# The real pair's tau on the benchmark sets with the block-16 drafter (the 8B shape's
+# drafter is block 16, so the chain's 16 rows are priced as it verifies them), for the
+# 8B-shaped projection: bench_serving.py's counted passes, by method.
+PROJECTION_TAU = ("drafter_cpu_tau_b16.json", "drafter_cpu_tau_b16_small.json")
 # MT-Bench on the CPU with the real pair: fixed trees against trees sized per step.
 SERVING_CPU = "serving_cpu_mtbench.json"
 # bench_serving.py --summarize over the H100 runs of one plan (the first file's settings).
 SERVING_H100 = "serving_h100_offline_mtbench.json"
-DRAFTERS_CPU = {"b8": "drafter_cpu_tau_b8.json", "b16": "drafter_cpu_tau_b16.json"}
+DRAFTERS_CPU = {"b8": ("drafter_cpu_tau_b8.json",),
+                "b16": ("drafter_cpu_tau_b16.json", "drafter_cpu_tau_b16_small.json")}
 TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
 TREE_OPS = ("tree_ops_preorder_fused_ab_h200.json", "fused")
 PROFILE = "gpu_profile_20261204_cb12350_real.json"
@@ -377,45 +378,52 @@ def gpu_step_load(doc: Doc) -> str:
 
 @renderer("projection-8b")
 def projection_8b(doc: Doc) -> str:
-    """A projection, not a measurement: the real pair's tau over the 8B-shaped step
-    costs, as speed relative to plain decoding, and the best of the sizes per batch."""
+    """A projection, not a measurement: the real pair's tau on each benchmark set over
+    the 8B-shaped step costs, as speed relative to plain decoding, and the best of the
+    tree sizes (or none) per batch."""
     runs = [run for name in GPU_STEP_LOAD for run in load(name)["runs"] if not run["error"]]
     ms = {(run["method"], run.get("budget"), row["batch"]): row["ms_per_step"]
           for run in runs for row in run["rows"]}
     batches = sorted({b for _, _, b in ms})
-    tau = {}
-    for key, (name, method) in PROJECTION_TAU.items():
-        tau[key] = row_at(load(name)["results"][method], 0.0, 8)["tau"]
-    methods = [("chain", "chain", None), ("DDTree B=8", "ddtree", 8),
-               ("DDTree B=16", "ddtree", 16)]
+    tau = {(t["set"], t["method"]): t["tau"]
+           for name in PROJECTION_TAU for t in load(name)["tau"]}
+    budgets = sorted({k for (m, k, _) in ms if m == "ddtree" and any(
+        method == f"ddtree{k}" for _, method in tau)})
+    methods = [("chain", "chain", None)] + [(f"DDTree B={k}", "ddtree", k) for k in budgets]
 
-    def speed(method: str, budget: int | None, batch: int) -> float:  # ÷ plain
-        key = "chain" if method == "chain" else (method, budget)
-        return tau[key] * ms["plain", None, batch] / ms[method, budget, batch]
+    def key(method: str, budget: int | None) -> str:
+        return "chain" if method == "chain" else f"ddtree{budget}"
+
+    def speed(sset: str, method: str, budget: int | None, batch: int) -> float:  # ÷ plain
+        return tau[sset, key(method, budget)] * ms["plain", None, batch] / ms[
+            method, budget, batch]
 
     rows = []
-    for label, method, budget in methods:
-        key = "chain" if method == "chain" else (method, budget)
-        rows.append([label, f"{tau[key]:.2f}",
-                     *(x(speed(method, budget, b)) for b in batches)])
-    best = []
-    for b in batches:
-        sized = max([1.0] + [speed(m, k, b) for _, m, k in methods[1:]])
-        best.append(f"{x(sized)} ({x(sized / speed('chain', None, b))} chain)")
-    rows.append(["best DDTree size or none, per batch", "-", *best])
-    sources = sorted({name for name, _ in PROJECTION_TAU.values()} | set(GPU_STEP_LOAD))
+    for sset in sorted({s for s, _ in tau}):
+        for label, method, budget in methods:
+            rows.append([sset, label, f"{tau[sset, key(method, budget)]:.2f}",
+                         *(x(speed(sset, method, budget, b)) for b in batches)])
+        best = []
+        for b in batches:
+            sized = max([1.0] + [speed(sset, m, k, b) for _, m, k in methods[1:]])
+            best.append(f"{x(sized)} ({x(sized / speed(sset, 'chain', None, b))} chain)")
+        rows.append([sset, "best DDTree size or none, per batch", "-", *best])
+    settings = load(PROJECTION_TAU[0])["settings"]
+    sources = [*PROJECTION_TAU, *GPU_STEP_LOAD]
     return "\n".join([
-        table(["method", "tau (real pair)", *(f"÷ plain, batch {b}" for b in batches)], rows),
+        table(["set", "method", "tau (real pair)",
+               *(f"÷ plain, batch {b}" for b in batches)], rows, "llr" + "r" * len(batches)),
         "",
         ("**A projection, not a measurement.** Speed relative to plain decoding = tau / "
          "(the step's cost over plain decoding's), with tau measured on the real pair "
-         "(SmolLM2-135M and the b8 drafter, H200, T=0, batch 8, the four-prompt set: "
-         "tuned prompts, so the taus are optimistic) and the costs of the Qwen3-8B-shaped "
-         "target above. The chain's cost is that of 16 rows (the shape's block-16 drafter) "
-         "against the tau of the real pair's 7-draft chain, so its row is a floor. DDTree "
-         "B=8 took tau with top-k cap 4, the cost without a cap. The last row is what "
-         "sizing per step could reach with these sizes (none = plain decoding's speed; "
-         "the sizer's size 0 still stores the drafter's context K/V). Sources: "
+         "(SmolLM2-135M and the block-16 drafter, vLLM on the CPU in float32, greedy, "
+         f"batch {settings['batches'][0]}, {settings['max_tokens']} new tokens per request, "
+         "the same prompts of each benchmark set for every method; no top-k cap) and the "
+         "costs of the Qwen3-8B-shaped target above. The real pair's drafter and the 8B "
+         "shape's are both block 16, so the chain's tau and its cost are both of 16-row "
+         "steps. The best row is what sizing per step could reach "
+         "with these sizes (none = plain decoding's speed; the sizer's size 0 still stores "
+         "the drafter's context K/V). Sources: "
          + ", ".join(doc.link(n) for n in sources) + "."),
     ])
 
@@ -485,16 +493,22 @@ def serving_h100(doc: Doc) -> str:
     ])
 
 
+def method_order(method: str) -> tuple[int, int]:
+    """The chain first, then DDTree by budget (``ddtree<B>``)."""
+    return (0, 0) if method == "chain" else (1, int(method.removeprefix("ddtree")))
+
+
 @renderer("drafters-cpu")
 def drafters_cpu(doc: Doc) -> str:
     """The shipped drafters' acceptance on the benchmark sets (bench_serving.py's
     counted pass per method and set): tau and acceptance by depth."""
     rows, settings = [], None
-    for name, file in DRAFTERS_CPU.items():
-        data = load(file)
-        settings = data["settings"]
-        block = json.loads((ROOT / data["drafter"] / "config.json").read_text())["block_size"]
-        for t in sorted(data["tau"], key=lambda t: (t["set"], t["method"])):
+    for name, files in DRAFTERS_CPU.items():
+        data = [load(file) for file in files]
+        settings = data[0]["settings"]
+        block = json.loads((ROOT / data[0]["drafter"] / "config.json").read_text())["block_size"]
+        taus = [t for d in data for t in d["tau"]]
+        for t in sorted(taus, key=lambda t: (t["set"], method_order(t["method"]))):
             depth = " ".join(f"{a:.2f}".lstrip("0") for a in t["accept_rate_per_depth"][:5])
             rows.append([name, str(block), t["set"], t["method"], f"{t['tau']:.2f}", depth])
     return "\n".join([
@@ -505,9 +519,9 @@ def drafters_cpu(doc: Doc) -> str:
          f"same {prompt_sets.pass_size('offline', settings['batches'][0], settings['min_prompts'])}"
          " prompts of each set for every row (the sets shuffled as everywhere in "
          f"bench_serving.py), {settings['max_tokens']} new tokens per request; the chain "
-         "drafts block size - 1 tokens, ddtree16 verifies a tree of 16 with no top-k cap. "
+         "drafts block size - 1 tokens, ddtree<B> verifies a tree of B nodes with no top-k cap. "
          "tau: tokens committed per verify step. Sources: "
-         + ", ".join(doc.link(f) for f in DRAFTERS_CPU.values()) + "."),
+         + ", ".join(doc.link(f) for files in DRAFTERS_CPU.values() for f in files) + "."),
     ])
 
 
