@@ -193,6 +193,17 @@ def test_tiny_pair_takes_the_smoke_plan_and_explicit_options_win():
     assert full.methods == ["plain", "chain", "chain-schedule", "ddtree16", "ddtree16-adaptive"]
 
 
+@pytest.mark.parametrize("argv,seqs", [
+    (["--mode", "offline", "--batches", "1,8", "--concurrency", "64"], 8),
+    (["--mode", "serve", "--batches", "64", "--concurrency", "2,16"], 16),
+    (["--mode", "both", "--batches", "1,32", "--concurrency", "4"], 32),
+    (["--mode", "offline", "--batches", "1,8", "--max-num-seqs", "256"], 256),
+])
+def test_engines_hold_as_many_sequences_as_the_largest_load(argv, seqs):
+    """Not vLLM's default of up to 1024: a DDTree engine captures graphs up to it."""
+    assert bench.parse_args(argv).max_num_seqs == seqs
+
+
 @pytest.mark.parametrize("argv", [["--methods", "plain,medusa"], ["--methods", ","],
                                   ["--sets", "gsm8k"], ["--batches", "1,x"],
                                   ["--concurrency", "0"], ["--chain-schedule", "2-8:7"],
