@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_ddtree.capture_sizes import (
+    MAX_CAPTURE_REQUESTS,
     MAX_CAPTURE_TOKENS,
     ddtree_capture_sizes,
     request_counts,
@@ -38,7 +39,7 @@ def test_the_grid_is_vllms():
 
 
 @pytest.mark.parametrize("budget,block_size,max_num_seqs", [
-    (16, 8, 64), (1, 16, 256), (7, 8, 48), (31, 16, 128), (64, 8, 100),
+    (16, 8, 64), (1, 16, 256), (7, 8, 48), (31, 16, 128), (64, 8, 100), (16, 8, 1024),
 ])
 def test_every_uniform_verify_step_up_to_max_num_seqs_has_a_graph(budget, block_size,
                                                                    max_num_seqs):
@@ -47,8 +48,9 @@ def test_every_uniform_verify_step_up_to_max_num_seqs_has_a_graph(budget, block_
     width = budget + 1
     covered = [n for n in range(1, max_num_seqs + 1)
                if any(s % width == 0 and s >= n * width for s in sizes)]
-    # Every batch up to max_num_seqs pads to a captured uniform verify size.
-    assert covered == list(range(1, min(max_num_seqs, MAX_CAPTURE_TOKENS // width) + 1))
+    # Every batch up to max_num_seqs (and the bounds) pads to a captured verify size.
+    assert covered == list(range(1, min(max_num_seqs, MAX_CAPTURE_REQUESTS,
+                                        MAX_CAPTURE_TOKENS // width) + 1))
     assert max(sizes) <= MAX_CAPTURE_TOKENS
     assert set(token_grid(min(512, max(sizes)))) <= set(sizes)  # vLLM's grid stays
     assert {block_size * n for n in (1, 2, 4)} <= set(sizes)  # the drafter's passes
@@ -59,6 +61,20 @@ def test_the_chain_default_of_512_tokens_no_longer_bounds_ddtree():
     chain's 16-row steps reach 32. DDTree's engine now covers its max_num_seqs."""
     sizes = ddtree_capture_sizes(vllm_config(16, 8, 64))
     assert 32 * 17 in sizes and 64 * 17 in sizes
+
+
+def test_vllms_default_max_num_seqs_is_bounded_by_requests():
+    """At vLLM's default of up to 1024 sequences the sizes stop at 256 requests per
+    width (320 sizes for steps of up to 481 requests before this bound, on an H100
+    about 100 s of start-up); every width still reaches 256 requests."""
+    from vllm_ddtree.spec_config import adaptive_schedule
+
+    config = vllm_config(16, 8, 1024, max_tokens=16384, schedule=adaptive_schedule(16))
+    sizes = ddtree_capture_sizes(config)
+    assert max(sizes) == MAX_CAPTURE_REQUESTS * 17
+    for width in (1, 3, 5, 8, 9, 17):
+        assert MAX_CAPTURE_REQUESTS * width in sizes, width
+    assert 257 * 17 not in sizes and len(sizes) < 200
 
 
 def test_trees_sized_per_step_get_a_graph_at_every_size():

@@ -14,8 +14,17 @@ the plugin therefore captures, besides vLLM's own token grid up to 512:
 - where the tree's size varies per step (``ddtree_adaptive``, or vLLM's
   ``num_speculative_tokens_per_batch_size``), ``n * (k + 1)`` for every size k;
 
-bounded by ``max_num_batched_tokens`` and :data:`MAX_CAPTURE_TOKENS`. The engine logs
-at start-up how many requests its graphs cover (runner/common.py).
+bounded by ``max_num_batched_tokens``, :data:`MAX_CAPTURE_TOKENS` and
+:data:`MAX_CAPTURE_REQUESTS`. The engine logs at start-up how many requests its graphs
+cover (runner/common.py).
+
+The request bound keeps start-up and graph memory in proportion at vLLM's default
+``max_num_seqs`` (up to 1024): on an H100 a DDTree engine sized per step (widths 1, 3,
+5, 9, 17 and the drafter's 8) captured 320 sizes for steps of up to 481 requests, 1,104
+full graphs besides the drafter's 876, about 100 s of start-up and 5.7 GiB; with steps
+of up to 256 requests the list has 164 sizes. Above 256 requests a step is thousands of
+rows, where a graph's saving of launch time is small, and vLLM's own grid up to 512
+tokens still covers steps without trees there.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from vllm_ddtree.config import tree_sizes
 # The largest graph a DDTree engine captures unasked: 256 requests at budget 16 fit,
 # and a graph this size holds only activations of one step (vLLM shares one pool).
 MAX_CAPTURE_TOKENS = 8192
+# The most requests whose uniform steps the plugin adds graphs for.
+MAX_CAPTURE_REQUESTS = 256
 # vLLM's own grid for batches that are not uniform verify steps (prefill next to trees).
 DEFAULT_GRID_MAX = 512
 
@@ -57,11 +68,11 @@ def ddtree_capture_sizes(vllm_config: Any) -> list[int] | None:
     if model is None or model.enforce_eager:
         return None
     ceiling = min(vllm_config.scheduler_config.max_num_batched_tokens, MAX_CAPTURE_TOKENS)
-    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    max_reqs = min(vllm_config.scheduler_config.max_num_seqs, MAX_CAPTURE_REQUESTS)
     sizes = set(token_grid(min(DEFAULT_GRID_MAX, ceiling)))
     # Every verify width a step may have (one per tree size where sizes vary per step).
     widths = {k + 1 for k in tree_sizes(vllm_config)} | {ddtree.drafter_width}
     for width in sorted(widths):
         # Up to the most requests whose step fits under the ceiling, that count included.
-        sizes.update(n * width for n in request_counts(min(max_num_seqs, ceiling // width)))
+        sizes.update(n * width for n in request_counts(min(max_reqs, ceiling // width)))
     return sorted(sizes)
