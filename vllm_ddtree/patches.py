@@ -298,15 +298,14 @@ def _patch_cudagraph_sizes() -> None:
     orig = _orig["VllmConfig._set_cudagraph_sizes"] = VllmConfig._set_cudagraph_sizes
 
     def _set_cudagraph_sizes(self) -> None:
-        from vllm_ddtree.capture_sizes import MAX_CAPTURE_REQUESTS, ddtree_capture_sizes
+        from vllm_ddtree.capture_sizes import ddtree_capture_sizes
 
         sizes = ddtree_capture_sizes(self)  # None: not DDTree, or the user's choice stands
         if sizes is not None:
             logger.info(
-                "DDTree: CUDA graphs at %d batch sizes up to %d tokens, covering uniform "
-                "steps of up to %d requests (vLLM logs their memory after capture).",
-                len(sizes), max(sizes),
-                min(self.scheduler_config.max_num_seqs, MAX_CAPTURE_REQUESTS))
+                "DDTree: CUDA graphs at %d batch sizes up to %d tokens (the requests a "
+                "verify step may hold in them are logged when the runner starts; vLLM "
+                "logs their memory after capture).", len(sizes), max(sizes))
             # As if the user had listed them: vLLM keeps them (up to the batch's
             # token limit) and captures a graph for each.
             self.compilation_config.cudagraph_capture_sizes = sizes
