@@ -138,13 +138,13 @@ def _configure_engine(engine_args, spec: dict[str, Any], model_config, parallel_
             "DDTree does not support M-RoPE target models (multimodal rotary positions) "
             "yet: a tree node's position is its depth, one number per row."
         )
-    if _select_model_runner(model_config, parallel_config) == "v1":
-        # Async scheduling only when asked for (--async-scheduling) on V1: it runs
-        # through vLLM's V1 bookkeeping (drafts kept on the device, counts corrected
-        # a step late), which the compacted tree step meets as a chain step; in the
-        # H200 runs it made DDTree no faster, so the default stays synchronous.
-        if engine_args.async_scheduling is None:
-            engine_args.async_scheduling = False
+    # Async scheduling only when asked for (--async-scheduling) on V1: it runs
+    # through vLLM's V1 bookkeeping (drafts kept on the device, counts corrected
+    # a step late), which the compacted tree step meets as a chain step; in the
+    # H200 runs it made DDTree no faster, so the default stays synchronous.
+    if (_select_model_runner(model_config, parallel_config) == "v1"
+            and engine_args.async_scheduling is None):
+        engine_args.async_scheduling = False
     _select_worker(parallel_config)
 
     def build_dflash(dflash: dict[str, Any]) -> SpeculativeConfig:
