@@ -133,7 +133,7 @@ def speculator_stub(trees: DDTree, row_of_state: torch.Tensor):
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec.__dict__.update(trees=trees, tree_row_of_state=row_of_state, mapped_batch=None,
                          _batch_rows=torch.arange(MAX_REQS), draft_attn_layer_names=set(),
-                         sized=False, node_lp=torch.zeros(trees.tokens.shape))
+                         sized=False, node_score=torch.zeros(trees.tokens.shape))
     return spec
 
 

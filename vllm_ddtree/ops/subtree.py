@@ -5,10 +5,12 @@ drafts must be the ``k`` best prefixes, not the first ``k`` nodes of the budget 
 preorder (which are the drafter's greedy chain). The best ``k`` prefixes are the
 first ``k`` of the budget tree under the build's total order (ops/tree.py: score
 descending, depth ascending, rank tuple ascending), so no second build is needed:
-:func:`best_subtree` recomputes each node's score exactly as the build accumulated it
+:func:`node_scores` recomputes each node's score exactly as the build accumulated it
 (float32, root to leaf, from the clamped per-depth log-probabilities that
-:func:`node_logprobs` gathers), ranks the nodes, and keeps the best ``k`` in their
-preorder. Inside a depth, the rank tuples' order is the preorder's, so a node's index
+:func:`node_logprobs` gathers), and :func:`best_subtree` ranks the nodes and keeps the
+best ``k`` in their preorder. The scores take a few launches per depth and serve every
+``k``, so the drafter's pass computes them (inside its CUDA graph on the V2 runner);
+the ranking, which depends on ``k``, takes as many launches at any depth. Inside a depth, the rank tuples' order is the preorder's, so a node's index
 breaks the remaining ties. The result equals ``build_ddtree(.., budget=k, ..)`` in its
 first ``k + 1`` columns, with padding after them.
 
@@ -38,9 +40,22 @@ def node_logprobs(
     return torch.where(tree.valid & (node > 0), values, 0.0)
 
 
+def node_scores(
+    tree: DDTree,  # [num_reqs, n] per field
+    draft_logprobs: torch.Tensor,  # [>= num_reqs, max_depth, vocab]; row d = log q_{d+1}
+) -> torch.Tensor:  # [num_reqs, n] float32; 0 for the root and padding
+    """Each node's score as the build accumulated it: score(child) = score(parent) + the
+    child's clamped log q (:func:`node_logprobs`), in float32, root to leaf."""
+    node_lp = node_logprobs(tree, draft_logprobs)
+    score = torch.zeros_like(node_lp)
+    for depth in range(1, draft_logprobs.shape[1] + 1):
+        score = torch.where(tree.depths == depth, score.gather(1, tree.parents) + node_lp, score)
+    return score
+
+
 def best_subtree(
     tree: DDTree,  # [num_reqs, n] per field, a build's output (preorder layout)
-    node_lp: torch.Tensor,  # [num_reqs, n] float32, from node_logprobs
+    score: torch.Tensor,  # [num_reqs, n] float32, from node_scores
     k: int,
     max_depth: int,
 ) -> DDTree:  # [num_reqs, n] per field: the best k nodes first, in preorder, then padding
@@ -51,10 +66,6 @@ def best_subtree(
         raise ValueError(f"k must be in 1..{n - 1} for trees of {n - 1} nodes, got {k}")
     device = tree.tokens.device
     node = torch.arange(n, device=device)
-    # Scores as the build accumulated them: score(child) = score(parent) + log q.
-    score = torch.zeros(num_reqs, n, dtype=torch.float32, device=device)
-    for depth in range(1, max_depth + 1):
-        score = torch.where(tree.depths == depth, score.gather(1, tree.parents) + node_lp, score)
     # The build's total order as one int64 key: |score| bits, depth, preorder index.
     index_bits = n.bit_length()
     depth_bits = max_depth.bit_length()

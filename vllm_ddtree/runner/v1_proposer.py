@@ -16,7 +16,7 @@ from vllm.logger import init_logger
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.ops.subtree import best_subtree, node_logprobs
+from vllm_ddtree.ops.subtree import best_subtree, node_scores
 from vllm_ddtree.ops.tree import build_ddtree
 from vllm_ddtree.runner.common import drafter_view
 from vllm_ddtree.runner.tree_graph import TreeBuildGraphs
@@ -76,7 +76,7 @@ class DDTreeProposer(DFlashProposer):
             if num_speculative_tokens < self.ddtree.budget:
                 # A smaller tree this step (the scheduler's size for the batch): the
                 # best num_speculative_tokens nodes of the budget tree.
-                tree = best_subtree(tree, node_logprobs(tree, logprobs),
+                tree = best_subtree(tree, node_scores(tree, logprobs),
                                     num_speculative_tokens, self.ddtree.max_depth)
         self.last_tree = tree
         # Draft tokens in node order: preorder, parents before children.

@@ -31,7 +31,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config, trees_are_sized
-from vllm_ddtree.ops.subtree import best_subtree, node_logprobs
+from vllm_ddtree.ops.subtree import best_subtree, node_scores
 from vllm_ddtree.ops.tree import build_ddtree
 from vllm_ddtree.runner.common import drafter_view
 from vllm_ddtree.tensors import DDTree
@@ -60,9 +60,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Request state index -> its row in `trees` (-1: no tree from the last pass).
         self.tree_row_of_state = torch.full((rows,), -1, dtype=torch.int64, device=device)
         # Trees sized per step (vLLM's num_speculative_tokens_per_batch_size, or
-        # ddtree_adaptive): each node's log q, kept by the pass for best_subtree.
+        # ddtree_adaptive): each node's score, made by the pass (in its graph) for
+        # best_subtree, which then ranks them between replays.
         self.sized = trees_are_sized(vllm_config)
-        self.node_lp = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        self.node_score = torch.zeros(rows, width, dtype=torch.float32, device=device)
         self._batch_rows = torch.arange(rows, dtype=torch.int64, device=device)
         # The batch whose order tree_row_of_state holds already (runner/v2_sampler.py sets it
         # after its walk graph ran map_batch over that batch); cleared by propose.
@@ -104,13 +105,13 @@ class DDTreeSpeculator(DFlashSpeculator):
         for field in TREE_FIELDS:
             getattr(self.trees, field)[:num_reqs].copy_(getattr(tree, field))
         if self.sized:
-            self.node_lp[:num_reqs].copy_(node_logprobs(tree, logprobs))
+            self.node_score[:num_reqs].copy_(node_scores(tree, logprobs))
 
     def size_trees(self, num_reqs: int, k: int) -> None:
         """Cut the last pass's ``num_reqs`` trees to their best ``k`` nodes, in place
         (k < budget: the scheduler's size for this batch). Eager, between replays."""
         trees = DDTree(**{field: getattr(self.trees, field)[:num_reqs] for field in TREE_FIELDS})
-        sub = best_subtree(trees, self.node_lp[:num_reqs], k, self.ddtree.max_depth)
+        sub = best_subtree(trees, self.node_score[:num_reqs], k, self.ddtree.max_depth)
         for field in TREE_FIELDS:
             getattr(trees, field).copy_(getattr(sub, field))
 
