@@ -10,8 +10,9 @@ descending, depth ascending, rank tuple ascending), so no second build is needed
 :func:`node_logprobs` gathers), and :func:`best_subtree` ranks the nodes and keeps the
 best ``k`` in their preorder. The scores take a few launches per depth and serve every
 ``k``, so the drafter's pass computes them (inside its CUDA graph on the V2 runner);
-the ranking, which depends on ``k``, takes as many launches at any depth. Inside a depth, the rank tuples' order is the preorder's, so a node's index
-breaks the remaining ties. The result equals ``build_ddtree(.., budget=k, ..)`` in its
+the ranking, which depends on ``k``, takes as many launches at any depth. Inside a
+depth, the rank tuples' order is the preorder's, so a node's index breaks the
+remaining ties. The result equals ``build_ddtree(.., budget=k, ..)`` in its
 first ``k + 1`` columns, with padding after them.
 
 No host synchronisation: the ops run in a CUDA graph or between replays.
