@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_ddtree.config import DDTreeConfig
-from vllm_ddtree.sizing import EXPLORE_SHARE, TreeSizer, candidate_sizes
+from vllm_ddtree.sizing import EXPLORE_SHARE, TRY_STEPS, TreeSizer, candidate_sizes
 from vllm_ddtree.spec_config import adaptive_schedule
 
 
@@ -92,7 +92,7 @@ def test_exploration_follows_a_change_in_acceptance():
 
     drive(sizer, 16, {2: 0.2, 4: 0.2, 8: 0.2, 16: 0.2}.get, seconds, 300)
     assert sizer.best(16) == 0
-    # The drafter got better (a new workload): one step in 32 looks at each other size.
+    # The drafter got better (a new workload): the other sizes are tried again when due.
     later = drive(sizer, 16, {2: 1.5, 4: 2.5, 8: 3.5, 16: 4.5}.get, seconds, 3000)
     assert sizer.best(16) == 4 and later[-1] == 4
 
@@ -128,9 +128,10 @@ def test_a_new_scale_of_batch_is_measured_not_extrapolated():
     assert truth(32, accepted, verify, draft(32)) == 0
     sizer = TreeSizer(16)
     assert drive(sizer, 2, accepted, verify, 200, draft(2))[-50:].count(16) > 45
-    jump = drive(sizer, 32, accepted, verify, 30, draft(32))
-    assert jump[:10] == [16, 16, 8, 8, 4, 4, 2, 2, 0, 0]  # the sizes tried at the new scale
-    assert jump[10:].count(0) >= 18  # all but one held exploration (one step in 32)
+    jump = drive(sizer, 32, accepted, verify, 40, draft(32))
+    tries = [k for k in (16, 8, 4, 2, 0) for _ in range(TRY_STEPS)]
+    assert jump[:len(tries)] == tries  # the sizes tried at the new scale
+    assert jump[len(tries):] == [0] * (40 - len(tries))
 
 
 def test_only_steady_steps_are_timed():
@@ -142,14 +143,74 @@ def test_only_steady_steps_are_timed():
     assert sizer.step_time(8, 4) == 0.02 and sizer.step_time(8, 0) is None
 
 
-def test_a_size_tried_is_held_for_a_steady_step():
+def test_a_size_tried_is_held_for_its_steady_steps():
+    """A try holds its size for TRY_STEPS steps: the first verifies the size before it,
+    the others give a steady time each."""
+    assert TRY_STEPS == 4
     sizer = TreeSizer(16, explore_every=8)
-    first = [sizer[4] for _ in range(10)]
-    assert first == [16, 16, 8, 8, 4, 4, 2, 2, 0, 0]
-    later = [sizer[4] for _ in range(60)]  # no times known: the budget, tries when due
+    first = [sizer[4] for _ in range(20)]
+    assert first == [16] * 4 + [8] * 4 + [4] * 4 + [2] * 4 + [0] * 4
+    later = [sizer[4] for _ in range(120)]  # no times known: the budget, tries when due
     runs = [(k, len(list(run))) for k, run in itertools.groupby(later)]
     tries = [(k, n) for k, n in runs if k != 16]
-    assert tries and all(n % 2 == 0 for _, n in tries), runs
+    assert len(tries) >= 4 and all(n == TRY_STEPS for _, n in tries), runs
+
+
+def test_one_slow_step_in_a_try_does_not_price_a_size_out():
+    """The first steady step of the whole tree's try takes ten times as long (a stall).
+    With one steady time a try, that time alone priced the whole tree, and the sizer
+    kept the half tree until the tree's next try was due, thousands of steps later; the
+    median of a try's steady times passes over it."""
+    accepted = {2: 1.2, 4: 1.8, 8: 2.3, 16: 2.6}.get
+    def seconds(rows):
+        return 0.005  # flat: the whole tree is best
+    steps = []
+    def stalled(rows):
+        steps.append(rows)
+        return seconds(rows) * (10 if len(steps) == 2 else 1)  # step 2 verifies 16, drafts 16
+
+    assert truth(8, accepted, seconds) == 16
+    sizer = TreeSizer(16)
+    chosen = drive(sizer, 8, accepted, stalled, 100)
+    assert chosen[:2] == [16, 16] and sizer.step_time(8, 16) == 0.005
+    assert sizer.best(8) == 16 and chosen[-50:].count(16) > 45, chosen
+
+
+def test_step_time_beyond_the_largest_batch_borrows_another_sizes_shape():
+    """Size 16 was timed at 8 and 64 requests, its step nearly all fixed overhead; size
+    2 only at 8. At 64, size 2 costs what its time at 8 grows by on size 16's curve, not
+    eight times its time at 8 (which would make it dearer than the whole tree)."""
+    sizer = TreeSizer(16)
+    for n, t in ((8, 0.0100), (64, 0.0120)):
+        sizer.observe([], num_reqs=n, verified=16, drafted=16, seconds=t)
+    sizer.observe([], num_reqs=8, verified=2, drafted=2, seconds=0.0090)
+    assert sizer.step_time(64, 2) == pytest.approx(0.0090 * 0.0120 / 0.0100)
+    assert sizer.step_time(64, 2) < sizer.step_time(64, 16)
+    t32 = 0.0100 + 0.0020 * (32 - 8) / (64 - 8)  # size 16's curve, linear between its times
+    assert sizer.step_time(32, 2) == pytest.approx(0.0090 * t32 / 0.0100)
+    # beyond every size's largest batch the shape's own time grows in proportion
+    assert sizer.step_time(128, 2) == pytest.approx(0.0090 * 0.0240 / 0.0100)
+    assert sizer.step_time(4, 2) == 0.0090  # flat below the smallest, as before
+    # the furthest reach sets the shape, over a nearer size timed less far
+    sizer.observe([], num_reqs=8, verified=4, drafted=4, seconds=0.0095)
+    sizer.observe([], num_reqs=16, verified=4, drafted=4, seconds=0.0190)
+    assert sizer.step_time(64, 2) == pytest.approx(0.0090 * 0.0120 / 0.0100)
+    # on a tie of reach, the nearest size
+    sizer.observe([], num_reqs=64, verified=4, drafted=4, seconds=0.0380)
+    assert sizer.step_time(64, 2) == pytest.approx(0.0090 * 0.0380 / 0.0095)
+
+
+def test_step_time_beyond_every_timed_batch_grows_in_proportion():
+    """No other size was timed beyond size 2's largest batch (or none at or below it):
+    no shape to borrow, so the time grows with the batch size, the dearest guess."""
+    sizer = TreeSizer(16)
+    sizer.observe([], num_reqs=8, verified=2, drafted=2, seconds=0.0090)
+    sizer.observe([], num_reqs=8, verified=16, drafted=16, seconds=0.0100)
+    sizer.observe([], num_reqs=4, verified=8, drafted=8, seconds=0.0080)
+    sizer.observe([], num_reqs=16, verified=4, drafted=4, seconds=0.0100)
+    sizer.observe([], num_reqs=64, verified=4, drafted=4, seconds=0.0110)
+    assert sizer.step_time(64, 2) == pytest.approx(0.0090 * 64 / 8)
+    assert sizer.step_time(64, 16) == pytest.approx(0.0100 * 64 / 8)
 
 
 def test_step_time_interpolates_and_scales():
@@ -165,7 +226,7 @@ def test_step_time_interpolates_and_scales():
 
 def test_report_lists_the_sizes_chosen():
     sizer = TreeSizer(8)
-    drive(sizer, 3, lambda k: 1.0, lambda rows: 0.001, 10)
+    drive(sizer, 3, lambda k: 1.0, lambda rows: 0.001, 5 * TRY_STEPS)
     line = sizer.report(now=100.0)
     assert "3 reqs:" in line and "accepted drafts per request by size" in line
     assert "step ms by size at 3 reqs 0: 1.00" in line

@@ -13,7 +13,16 @@ over a few sizes (the budget, its halves down to an eighth, and 0: no drafts), w
   the estimate needs no drafter calibration);
 - ``t(n, k)`` is measured: the engine's time per step, as the interval between
   consecutive step outputs, a median per size and batch size, linear in the batch
-  size between the batch sizes seen and proportional to it beyond them.
+  size between the batch sizes timed and flat below the smallest.
+
+Beyond the largest batch size ``n0`` timed at size ``k``, ``t(n, k)`` takes the shape
+of another size's curve: ``t(n0, k) * t(n, j) / t(n0, j)``, where ``j`` is, of the
+other sizes timed both at or below ``n0`` and beyond it, the one timed at the largest
+batch (on a tie, the size nearest ``k``, whose cost grows most alike). A step's time
+is mostly fixed overhead, so scaling ``t(n0, k)`` by ``n / n0`` would price a size
+timed only at small batches far above one timed at ``n``. Where no other size is
+timed beyond ``n0``, and for ``j`` itself beyond its largest batch, the time grows in
+proportion to the batch size, as if a step had no fixed overhead: the dearest guess.
 
 Which step a time belongs to: vLLM asks for the size when it schedules a step, and
 the runner drafts that many tokens at the end of that step, for the next one to
@@ -27,13 +36,15 @@ before it, making trees look cheaper under load than they are.
 
 Every size is tried at each new scale of batch (batch sizes within a factor of two:
 1, 2-3, 4-7, ...; largest size first), so each size's cost is measured near every batch
-size the engine meets, not extrapolated from batches far smaller. After that a size
-other than the best is tried again when it is due: no sooner than one try of some
-size in ``explore_every`` steps would have it, and late enough that the tries of all
-other sizes together cost about ``EXPLORE_SHARE`` more time than the best size would
-have (with five sizes, a size twice as dear as the best is tried every 400 steps, one
-eight times as dear every 2,800). A size tried is held for two steps, so its second
-step is steady and gives a time. The sizer is vLLM's batch-size lookup
+size the engine meets, not extrapolated from batches far smaller. A size tried is held
+for ``TRY_STEPS`` steps: the first verifies the size before it, the others are steady
+and give a time each, so the median of a try passes over one slow step. After the
+first tries, a size other than the best is tried again when it is due: no sooner than
+one try of some size in ``explore_every`` steps would have it (tries then take at most
+one step in 16), and late enough that the tries of all other sizes together cost about
+``EXPLORE_SHARE`` more time than the best size would have (with five sizes, a size
+twice as dear as the best is tried about every 800 steps, one eight times as dear
+about every 5,600). The sizer is vLLM's batch-size lookup
 (``scheduler.dynamic_sd_lookup[n]``): the scheduler asks it once per step for the
 drafts to schedule next. Trees of a chosen size are the best trees of that size
 (ops/subtree.py); any size is lossless.
@@ -48,8 +59,9 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-EXPLORE_EVERY = 32  # fewest steps per try, over the sizes other than the best
+EXPLORE_EVERY = 64  # fewest steps per try, over the sizes other than the best
 EXPLORE_SHARE = 0.02  # most extra time that the tries of other sizes may cost, together
+TRY_STEPS = 4  # steps a size tried is held: TRY_STEPS - 1 steady times
 ACCEPT_WINDOW = 256  # request-steps per size in the acceptance mean
 COST_WINDOW = 15  # steady step times per (size, batch size) in the cost median
 LOG_EVERY_S = 10.0
@@ -75,7 +87,7 @@ class TreeSizer:
     sizes: list[int] = field(init=False)
     _accepted: dict[int, deque] = field(init=False)  # size -> accepted drafts per request
     _last_tried: dict[tuple[int, int], int] = field(init=False)  # (scale, size) -> step
-    _hold: int | None = field(init=False, default=None)  # a size tried, asked once more
+    _hold: tuple[int, int] | None = field(init=False, default=None)  # (size, steps left)
     _cost: dict[int, dict[int, deque]] = field(init=False)  # size -> batch -> seconds
     _batches: dict[int, list[int]] = field(init=False)  # size -> batch sizes timed, ascending
     _median: dict[tuple[int, int], float] = field(init=False)  # (size, batch) -> median
@@ -104,16 +116,22 @@ class TreeSizer:
         tried = self._last_tried
         untried = [k for k in self.sizes if (scale, k) not in tried]
         if self._hold is not None:
-            k, self._hold = self._hold, None
+            k, left = self._hold
+            self._hold = (k, left - 1) if left > 1 else None
         elif untried:
-            k = self._hold = untried[-1]  # held: its second step is steady, a time
+            k = self._try(untried[-1])
         else:
             k = self.best(num_reqs)
             due = [s for s in self.sizes if s != k and self._due(num_reqs, scale, s, k)]
             if due:
-                k = self._hold = min(due, key=lambda s: tried[(scale, s)])
+                k = self._try(min(due, key=lambda s: tried[(scale, s)]))
         tried[(scale, k)] = self._step
         self._chosen.setdefault(num_reqs, Counter())[k] += 1
+        return k
+
+    def _try(self, k: int) -> int:
+        """Holds size ``k`` for the next TRY_STEPS - 1 steps too."""
+        self._hold = (k, TRY_STEPS - 1)
         return k
 
     def _due(self, num_reqs: int, scale: int, k: int, best: int) -> bool:
@@ -125,7 +143,7 @@ class TreeSizer:
         if t_k is None or t_best is None:
             return True
         share = EXPLORE_SHARE / (len(self.sizes) - 1)  # each other size's part
-        return waited * share * t_best >= 2 * (t_k - t_best)
+        return waited * share * t_best >= TRY_STEPS * (t_k - t_best)
 
     def best(self, num_reqs: int) -> int:
         """The size with the most expected tokens per second at this batch size (the
@@ -154,10 +172,27 @@ class TreeSizer:
     def step_time(self, num_reqs: int, k: int) -> float | None:
         """Seconds per steady step of ``num_reqs`` requests at size ``k``: the median
         where this batch size was timed, else linear between the nearest timed ones,
-        flat below the smallest and proportional beyond the largest."""
+        flat below the smallest, and beyond the largest, ``n0``, shaped as the curve of
+        the size that reaches furthest beyond ``n0`` (module docstring)."""
         known = self._batches[k]
         if not known:
             return None
+        n0 = known[-1]
+        if num_reqs <= n0:
+            return self._interpolate(num_reqs, k)
+        reach = [j for j in self.sizes if j != k and self._batches[j]
+                 and self._batches[j][0] <= n0 < self._batches[j][-1]]
+        if not reach:
+            return self._median[(k, n0)] * num_reqs / n0
+        j = max(reach, key=lambda j: (self._batches[j][-1], -abs(j - k), j))
+        # j's own estimate beyond its largest batch is proportional: nothing reaches further.
+        return (self._median[(k, n0)] * self._interpolate(num_reqs, j)
+                / self._interpolate(n0, j))
+
+    def _interpolate(self, num_reqs: int, k: int) -> float:
+        """Size ``k``'s medians alone: linear between timed batch sizes, flat below the
+        smallest, proportional beyond the largest (``k`` has been timed)."""
+        known = self._batches[k]
         def median(n: int) -> float:
             return self._median[(k, n)]
         if num_reqs <= known[0]:
