@@ -15,6 +15,10 @@ runner and the plugin's hooks together. For each it reports, per decode step:
 
     python benchmarks/profile_gpu_step.py --configs chain:1 ddtree16:1 ddtree16:32
 
+``ddtree16@K:BATCH`` fixes the tree at K nodes on every step (vLLM's batch-size
+schedule, as ``ddtree_adaptive`` drives it; K = 0: no drafts), so a step of each size
+the sizer may choose can be profiled on its own, size 0 against plain decoding.
+
 By default the engines run the Qwen3-8B shape with dummy weights and token-id prompts,
 as bench_gpu_step.py does, without async scheduling. ``--target DIR --drafter DIR``
 profiles a real pair instead (real weights; the chat prompts of bench_e2e.py, 128 new
@@ -43,16 +47,24 @@ from gpu_step_timing import read_counters
 DEFAULT_OUT = BENCH_DIR / "results" / "gpu_profile.json"
 
 
-def parse_config(text: str) -> tuple[str, int | None, int]:
-    """'plain:1', 'chain:8', 'ddtree16:32' -> (method, budget, batch)."""
+def parse_config(text: str) -> tuple[str, int | None, int, int | None]:
+    """'plain:1', 'chain:8', 'ddtree16:32', 'ddtree16@0:8' -> (method, budget, batch,
+    fixed tree size or None)."""
     name, _, batch = text.partition(":")
     if not batch.isdigit() or int(batch) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: want METHOD:BATCH, e.g. ddtree16:1")
     if name in ("plain", "chain"):
-        return name, None, int(batch)
-    if name.startswith("ddtree") and name[6:].isdigit() and int(name[6:]) >= 1:
-        return "ddtree", int(name[6:]), int(batch)
-    raise argparse.ArgumentTypeError(f"{text!r}: method is plain, chain or ddtreeB")
+        return name, None, int(batch), None
+    name, at, size = name.partition("@")
+    if (name.startswith("ddtree") and name[6:].isdigit() and int(name[6:]) >= 1
+            and (not at or (size.isdigit() and int(size) <= int(name[6:])))):
+        return "ddtree", int(name[6:]), int(batch), int(size) if at else None
+    raise argparse.ArgumentTypeError(f"{text!r}: method is plain, chain, ddtreeB or "
+                                     "ddtreeB@K (K <= B nodes on every step)")
+
+
+def config_label(method: str, budget: int | None, batch: int, size: int | None) -> str:
+    return f"{method}{budget or ''}{'' if size is None else f'@{size}'}:{batch}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,8 +92,10 @@ REAL_MAX_TOKENS = 128  # new tokens per request on a real pair, as bench_e2e's H
 REAL_TOPK_CAP = 4      # bench_e2e's ddtree-b*-k4 rows
 
 
-def real_engine(method: str, budget: int | None, batch: int, args: argparse.Namespace):
-    """An engine on the real pair and ``batch`` of bench_e2e's chat prompts (in turn)."""
+def real_engine(method: str, budget: int | None, batch: int, size: int | None,
+                args: argparse.Namespace):
+    """An engine on the real pair and ``batch`` of bench_e2e's chat prompts (in turn);
+    ``size``: the tree's nodes on every step (None: the budget)."""
     import bench_e2e
     from vllm import LLM
 
@@ -91,6 +105,8 @@ def real_engine(method: str, budget: int | None, batch: int, args: argparse.Name
                       "num_speculative_tokens": block - 1},
             "ddtree": {"method": "ddtree", "model": str(args.drafter),
                        "ddtree_budget": budget, "ddtree_topk_cap": REAL_TOPK_CAP}}[method]
+    if size is not None:
+        spec["num_speculative_tokens_per_batch_size"] = [[1, 1 << 20, size]]
     llm = LLM(model=str(args.target), speculative_config=spec, dtype="bfloat16",
               max_model_len=1024, gpu_memory_utilization=0.3, seed=0, disable_log_stats=False)
     texts = list(bench_e2e.PROMPTS.values())
@@ -143,7 +159,8 @@ def phase_times(averages: Any, raw_events: Any, steps: float) -> dict:
     return phases
 
 
-def profile_one(method: str, budget: int | None, batch: int, args: argparse.Namespace) -> dict:
+def profile_one(method: str, budget: int | None, batch: int, size: int | None,
+                args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     import torch
@@ -151,9 +168,11 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
 
     speculative = method != "plain"
     if args.target is not None:
-        llm, prompts = real_engine(method, budget, batch, args)
+        llm, prompts = real_engine(method, budget, batch, size, args)
         max_tokens = REAL_MAX_TOKENS
     else:
+        if size is not None:
+            raise SystemExit("ddtreeB@K profiles the real pair: give --target and --drafter")
         target, drafter = step_bench.write_models(args.model_dir)
         run = step_bench.EngineRun(args.runner, method, budget)
         llm = step_bench.make_engine(run, target, drafter,
@@ -184,8 +203,10 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
     with PhaseTimer() as timer:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-    # Decode steps per request (+1: the prefill step, which this call also runs).
-    steps = (after["drafts"] - before["drafts"]) / batch if speculative else tokens / batch
+    # Decode steps per request (+1: the prefill step, which this call also runs); a
+    # step of size 0 drafts nothing and yields one token per request.
+    drafts = after["drafts"] - before["drafts"]
+    steps = drafts / batch if speculative and size != 0 else tokens / batch
     steps = max(1.0, steps)
     events = prof.key_averages()
     kernel_us = sum(device_time(e, self_only=True) for e in events if is_device_work(e))
@@ -195,8 +216,8 @@ def profile_one(method: str, budget: int | None, batch: int, args: argparse.Name
              "self_kernel_ms": device_time(e, self_only=True) / 1e3 / steps} for e in events]
     top = args.top
     return {
-        "method": method, "budget": budget, "batch": batch, "runner": args.runner,
-        "pair": "real" if args.target is not None else "qwen3-8b-dummy", "steps": steps,
+        "method": method, "budget": budget, "size": size, "batch": batch,
+        "runner": args.runner, "pair": "real" if args.target is not None else "qwen3-8b-dummy", "steps": steps,
         "tokens_per_step": tokens / batch / steps,
         "wall_ms_per_step": 1e3 * seconds / steps,
         "unprofiled_ms_per_step": 1e3 * plain_seconds / steps,
@@ -362,10 +383,11 @@ def python_profile(work, top: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["own_ms"])[:top]
 
 
-def run_isolated(config: tuple[str, int | None, int], args: argparse.Namespace) -> dict:
+def run_isolated(config: tuple[str, int | None, int, int | None],
+                 args: argparse.Namespace) -> dict:
     """One configuration in a fresh process (an in-process engine keeps its GPU memory)."""
-    method, budget, batch = config
-    label = f"{method}{budget or ''}:{batch}"
+    method, budget, batch, size = config
+    label = config_label(*config)
     cmd = [sys.executable, __file__, "--one", label, "--prompt-len", str(args.prompt_len),
            "--steps", str(args.steps), "--top", str(args.top), "--model-dir", str(args.model_dir),
            "--runner", args.runner]
@@ -379,12 +401,14 @@ def run_isolated(config: tuple[str, int | None, int], args: argparse.Namespace) 
             return json.loads(line[len(marker):])
     tail = (proc.stdout + proc.stderr)[-3000:]
     print(tail, flush=True)
-    return {"method": method, "budget": budget, "batch": batch,
+    return {"method": method, "budget": budget, "size": size, "batch": batch,
             "error": f"exit code {proc.returncode}", "log_tail": tail}
 
 
 def report(result: dict) -> str:
-    name = (f"{result['method']}{result['budget'] or ''} batch {result['batch']}"
+    size = result.get("size")
+    name = (f"{result['method']}{result['budget'] or ''}"
+            f"{'' if size is None else f' at {size} nodes'} batch {result['batch']}"
             f"{' on ' + result['runner'].upper() if result.get('runner') else ''}")
     if "error" in result:
         return f"== {name}: {result['error']}"

@@ -71,8 +71,7 @@ def test_no_tree_when_speculation_cannot_pay():
 def test_tries_of_dearer_sizes_cost_a_bounded_share_of_the_time():
     """A CPU-like load: trees up to six times a step without one, which is best. The
     tries that keep the estimates fresh cost about EXPLORE_SHARE more time than steps
-    of the best size alone (tries at the fewest steps apart, whatever their cost,
-    would cost 17% more here)."""
+    of the best size alone."""
     accepted = {2: 0.35, 4: 0.45, 8: 0.6, 16: 0.7}.get
     def verify(rows):
         return 0.09 + 0.004 * rows

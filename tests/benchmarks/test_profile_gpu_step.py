@@ -108,13 +108,29 @@ def test_real_pair_engines_and_prompts(tmp_path, monkeypatch):
     import bench_e2e
 
     texts = list(bench_e2e.PROMPTS.values())
-    _, prompts = prof.real_engine("ddtree", 64, 6, args)
+    _, prompts = prof.real_engine("ddtree", 64, 6, None, args)
     assert prompts == texts + texts[:2]
-    prof.real_engine("chain", None, 1, args)
-    prof.real_engine("plain", None, 1, args)
-    tree, chain, plain = (m["speculative_config"] for m in made)
+    prof.real_engine("chain", None, 1, None, args)
+    prof.real_engine("plain", None, 1, None, args)
+    prof.real_engine("ddtree", 16, 8, 0, args)
+    tree, chain, plain, size0 = (m["speculative_config"] for m in made)
     assert tree == {"method": "ddtree", "model": str(drafter), "ddtree_budget": 64,
                     "ddtree_topk_cap": prof.REAL_TOPK_CAP}
     assert chain == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7}
     assert plain is None
+    assert size0["num_speculative_tokens_per_batch_size"] == [[1, 1 << 20, 0]]
     assert {m["model"] for m in made} == {str(tmp_path)} and made[0]["dtype"] == "bfloat16"
+
+
+def test_configs_name_a_fixed_tree_size():
+    import argparse
+
+    import pytest
+
+    assert prof.parse_config("plain:1") == ("plain", None, 1, None)
+    assert prof.parse_config("ddtree16:32") == ("ddtree", 16, 32, None)
+    assert prof.parse_config("ddtree16@0:8") == ("ddtree", 16, 8, 0)
+    assert prof.config_label(*prof.parse_config("ddtree16@4:8")) == "ddtree16@4:8"
+    for bad in ("ddtree16@17:8", "ddtree16@:8", "chain@2:1", "ddtree16:0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            prof.parse_config(bad)
