@@ -104,6 +104,36 @@ def test_launches_that_cannot_be_captured_stay_eager(monkeypatch):
     torch.cuda.synchronize()  # the failed capture left the device usable
 
 
+@needs_cuda
+def test_launches_with_temporaries_share_one_pool_and_replay_right():
+    """shared_pool: graphs whose launches allocate temporaries (torch ops) take them
+    from one pool; each replay reads its inputs as they are now, whichever graph ran
+    before it, and a second signature's capture adds no pool of its own."""
+    graphs = StepGraphs(torch.device("cuda"), "test", shared_pool=True)
+    src = torch.arange(64, dtype=torch.float32, device="cuda")
+    out = torch.zeros(64, device="cuda")
+
+    def launch(n: int):
+        def run() -> None:  # temporaries: the sort, the cumsum, the product
+            out[:n].copy_(src[:n].sort(descending=True).values.cumsum(0) * 2)
+        return run
+
+    def want(n: int) -> list[float]:
+        return (src[:n].sort(descending=True).values.cumsum(0) * 2).tolist()
+
+    for i in range(4):
+        for n in (16, 64):
+            src.copy_(torch.randn(64, device="cuda") * (i + 1))
+            graphs.run((n,), (), launch(n))
+            assert out[:n].tolist() == pytest.approx(want(n))
+    assert graphs.num_graphs == 2 and graphs.replays == 4
+    pool = graphs._pool
+    assert pool is not None
+    graphs.run((32,), (), launch(32))
+    graphs.run((32,), (), launch(32))  # a third graph, in the same pool
+    assert graphs._pool == pool and graphs.num_graphs == 3
+
+
 @pytest.mark.parametrize("value,enabled", [(None, True), ("1", True), ("0", False), ("", False)])
 def test_the_environment_switch(monkeypatch, value, enabled):
     if value is None:

@@ -133,7 +133,9 @@ def speculator_stub(trees: DDTree, row_of_state: torch.Tensor):
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec.__dict__.update(trees=trees, tree_row_of_state=row_of_state, mapped_batch=None,
                          _batch_rows=torch.arange(MAX_REQS), draft_attn_layer_names=set(),
-                         sized=False, node_score=torch.zeros(trees.tokens.shape))
+                         sized=False, node_score=torch.zeros(trees.tokens.shape),
+                         sizing_graphs=StepGraphs(torch.device("cpu"), "tree sizing",
+                                                  enabled=False))
     return spec
 
 
@@ -318,6 +320,34 @@ def test_a_smaller_size_asked_leaves_the_best_trees_of_that_size(monkeypatch):
         assert torch.equal(getattr(spec.trees, field)[:num_reqs, :4]
                            if field != "num_nodes" else spec.trees.num_nodes[:num_reqs],
                            getattr(expected, field))
+
+
+def test_the_cut_to_a_smaller_size_replays_over_each_passs_trees(monkeypatch):
+    """size_trees through the sizing graphs (eager, captured, replayed) after three
+    drafter passes with new log-probs: each cut is the best tree of that pass, so the
+    graph reads the speculator's buffers as they are now, not as they were captured."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
+
+    num_reqs, k = 3, 3
+    spec, logprobs = drafted_speculator(num_reqs, sized=True)
+    spec.sizing_graphs = ReplayingGraphs("tree sizing")
+    monkeypatch.setattr(DFlashSpeculator, "propose", lambda self, *args, **kwargs: None)
+    batch = SimpleNamespace(num_reqs=num_reqs, idx_mapping=torch.tensor([6, 1, 4]))
+    roots = torch.tensor([11, 12, 13])
+    for i in range(3):
+        if i:
+            logprobs = torch.randn(num_reqs, BLOCK - 1, VOCAB).log_softmax(-1)
+            spec.draft_logprobs = lambda hidden, n, lp=logprobs: lp
+            DDTreeSpeculator._generate_draft(spec, num_reqs, num_reqs * BLOCK, None, None,
+                                             None)
+        drafts = DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=k)
+        expected = build_ddtree(logprobs, roots, k)
+        assert torch.equal(drafts[:, :k], expected.tokens[:, 1:])
+        assert torch.equal(spec.trees.ancestor_mask[:num_reqs, :k + 1, :k + 1],
+                           expected.ancestor_mask)
+    assert spec.sizing_graphs.captures == 1 and spec.sizing_graphs.replays == 2
 
 
 def test_the_drafters_graph_stores_a_verify_steps_context_rows():

@@ -16,7 +16,11 @@ for everything else the launches depend on (batch size, widths, flags). The
 first time a signature is met the launches run eagerly (kernels compile, caches
 fill); the second time they are captured and replayed; from then on each call
 is one replay. The launches must not allocate what outlives them: they write
-into buffers allocated beforehand. Off CUDA, in an engine without CUDA graphs
+into buffers allocated beforehand. Launches that allocate temporaries (torch ops
+rather than kernels writing in place) capture with ``shared_pool``: every graph
+of the group then takes its temporaries from one memory pool, which is safe
+because they die inside the launches and the graphs replay one at a time on one
+stream, and costs the largest graph's temporaries rather than a pool per graph. Off CUDA, in an engine without CUDA graphs
 (``enforce_eager``), during another capture, past ``MAX_GRAPHS`` signatures, or
 when a capture fails, the launches run eagerly: the outputs are the same either
 way.
@@ -52,8 +56,11 @@ class StepGraphs:
     """CUDA graphs of a fixed sequence of launches, one per signature (a key plus
     the address and shape of each named tensor), captured at the second use."""
 
-    def __init__(self, device: torch.device, name: str, enabled: bool = True):
+    def __init__(self, device: torch.device, name: str, enabled: bool = True,
+                 shared_pool: bool = False):
         self.device, self.name = torch.device(device), name
+        self.shared_pool = shared_pool
+        self._pool: tuple | None = None  # the graphs' one memory pool (shared_pool)
         # Off CUDA, or where the engine runs without CUDA graphs (enforce_eager):
         # every call runs the launches.
         self.enabled = enabled and self.device.type == "cuda"
@@ -105,10 +112,12 @@ class StepGraphs:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_stream(current)
+        if self.shared_pool and self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(self._stream):
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
                     launch()
                 finally:

@@ -34,6 +34,7 @@ from vllm_ddtree.config import DDTreeConfig, get_ddtree_config, trees_are_sized
 from vllm_ddtree.ops.subtree import best_subtree, node_scores
 from vllm_ddtree.ops.tree import build_ddtree
 from vllm_ddtree.runner.common import drafter_view
+from vllm_ddtree.runner.step_graphs import StepGraphs
 from vllm_ddtree.tensors import DDTree
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
@@ -64,6 +65,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         # best_subtree, which then ranks them between replays.
         self.sized = trees_are_sized(vllm_config)
         self.node_score = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        # The cut to k nodes, replayed as a CUDA graph per (batch, k) where the engine
+        # uses graphs (runner/v2.py install gives the state's; eager until then).
+        self.sizing_graphs = StepGraphs(device, "tree sizing", enabled=False)
         self._batch_rows = torch.arange(rows, dtype=torch.int64, device=device)
         # The batch whose order tree_row_of_state holds already (runner/v2_sampler.py sets it
         # after its walk graph ran map_batch over that batch); cleared by propose.
@@ -109,11 +113,17 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def size_trees(self, num_reqs: int, k: int) -> None:
         """Cut the last pass's ``num_reqs`` trees to their best ``k`` nodes, in place
-        (k < budget: the scheduler's size for this batch). Eager, between replays."""
-        trees = DDTree(**{field: getattr(self.trees, field)[:num_reqs] for field in TREE_FIELDS})
-        sub = best_subtree(trees, self.node_score[:num_reqs], k, self.ddtree.max_depth)
-        for field in TREE_FIELDS:
-            getattr(trees, field).copy_(getattr(sub, field))
+        (k < budget: the scheduler's size for this batch), between the drafter's
+        replay and the next step: about fifty launches, which replay as one graph
+        per (batch, k). They read and write only this speculator's buffers."""
+        def launch() -> None:
+            trees = DDTree(**{field: getattr(self.trees, field)[:num_reqs]
+                              for field in TREE_FIELDS})
+            sub = best_subtree(trees, self.node_score[:num_reqs], k, self.ddtree.max_depth)
+            for field in TREE_FIELDS:
+                getattr(trees, field).copy_(getattr(sub, field))
+
+        self.sizing_graphs.run((num_reqs, k), (), launch)
 
     def map_batch(self, idx_mapping: torch.Tensor) -> None:
         """``tree_row_of_state`` for a pass over a batch of these state indices
