@@ -52,6 +52,8 @@ PROJECTION_TAU = ("drafter_cpu_tau_b16.json", "drafter_cpu_tau_b16_small.json")
 SERVING_CPU = "serving_cpu_mtbench.json"
 # bench_serving.py --summarize over the H100 runs of one plan (the first file's settings).
 SERVING_H100 = "serving_h100_offline_mtbench.json"
+# The same over both prompt sets, with the block-16 drafter and the chain's schedule.
+SERVING_H100_B16 = "serving_h100_offline_b16.json"
 DRAFTERS_CPU = {"b8": ("drafter_cpu_tau_b8.json",),
                 "b16": ("drafter_cpu_tau_b16.json", "drafter_cpu_tau_b16_small.json")}
 TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
@@ -490,6 +492,49 @@ def serving_h100(doc: Doc) -> str:
          "batch 8 and above pool fewer rounds. ddtree16-adaptive is the tree sized per step "
          "(budget 16 the ceiling) before its sizer timed only steady steps. Sources: "
          + ", ".join(doc.link(n) for n in sources) + "."),
+    ])
+
+
+@renderer("serving-h100-b16")
+def serving_h100_b16(doc: Doc) -> str:
+    """bench_serving.py's pooled runs over HumanEval and MT-Bench: per set, tokens/s
+    and the ratios to plain decoding and to the faster chain at each batch size."""
+    pooled = load(SERVING_H100_B16)
+    first = load(Path(pooled["files"][0]).name)
+    settings = first["settings"]
+    sources = [SERVING_H100_B16] + [Path(f).name for f in pooled["files"]]
+
+    def ratio(cell: dict | None) -> str:
+        if not cell:
+            return "-"
+        low, high = cell["interval_90"]
+        return f"{x(cell['median'])} ({low:.2f}-{high:.2f})"
+
+    blocks = []
+    for name in sorted({r["set"] for r in pooled["rows"]}):
+        rows = []
+        for r in sorted((r for r in pooled["rows"] if r["set"] == name),
+                        key=lambda r: (r["load"], r["method"])):
+            speed = r["tok_per_s"]
+            low, high = speed["interval_90"]
+            rows.append([str(r["load"]), r["method"], f"{r['tau']:.2f}" if r["tau"] else "-",
+                         f"{speed['median']:,.0f} ({low:,.0f}-{high:,.0f})",
+                         ratio(r["vs_plain"]), ratio(r.get("vs_best_chain")),
+                         f"{r['runs']} / {r['rounds']}"])
+        blocks += [f"**{name}**", "",
+                   table(["batch", "method", "tau", "tokens/s (90% interval)", "÷ plain",
+                          "÷ best chain", "runs / rounds"], rows, "rllrrrr"), ""]
+    return "\n".join(blocks + [
+        (f"Real pair (SmolLM2-135M and the block-16 drafter), one lent H100, "
+         f"{settings['dtype']}, CUDA graphs, V2 runner, `max_num_seqs` "
+         f"{settings['max_num_seqs']}, {settings['max_tokens']} new tokens per request, at "
+         f"least {settings['min_prompts']} prompts a pass, every engine alive and timed in "
+         "turn. \"best chain\" is the faster of the chain and chain-schedule (vLLM's "
+         "batch-size schedule for the chain's draft length, this benchmark's default) at "
+         "that batch size, within each round. Two calls on one machine pooled: the first "
+         "started the engines from an empty compile cache and had time left for one "
+         "HumanEval round (batch 1-16, and plain decoding at 32), the second timed four "
+         "rounds and part of a fifth. Sources: " + ", ".join(doc.link(n) for n in sources) + "."),
     ])
 
 
