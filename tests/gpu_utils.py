@@ -38,6 +38,7 @@ GPU_KW = {
 # order (GEMM shapes change with the verify width; tree vs decode attention) flips.
 FLOAT32_NEAR_TIE = 1e-3
 BF16_NEAR_TIE = 0.25  # two bf16 steps of a logit in [16, 32)
+FP16_NEAR_TIE = BF16_NEAR_TIE / 8  # fp16 keeps three more mantissa bits: steps 8x finer
 # Engine arguments for prompts read one token a step: vLLM's MLA backends send a query
 # of one row down the decode path (forward_mqa, absorbed into the latent), the path of
 # plain decoding's output tokens, where a prefill takes another (forward_mha, K/V
