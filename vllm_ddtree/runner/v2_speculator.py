@@ -68,6 +68,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         # The cut to k nodes, replayed as a CUDA graph per (batch, k) where the engine
         # uses graphs (runner/v2.py install gives the state's; eager until then).
         self.sizing_graphs = StepGraphs(device, "tree sizing", enabled=False)
+        # A step of size 0 drafts nothing but stores the drafter's context: vLLM runs
+        # that eagerly; it replays as a graph per batch shape (install gives these too).
+        self.context_graphs = StepGraphs(device, "drafter context", enabled=False)
+        self._deferred: list[tuple[str, tuple]] | None = None
         self._batch_rows = torch.arange(rows, dtype=torch.int64, device=device)
         # The batch whose order tree_row_of_state holds already (runner/v2_sampler.py sets it
         # after its walk graph ran map_batch over that batch); cleared by propose.
@@ -125,6 +129,45 @@ class DDTreeSpeculator(DFlashSpeculator):
 
         self.sizing_graphs.run((num_reqs, k), (), launch)
 
+    # A step of size 0: vLLM's pass stores the target's hidden states and the drafter's
+    # context K/V for them, and stops (DFlashSpeculator.propose with no drafts). Both
+    # calls are held while it runs and then made here, as one graph per shape.
+    def _store_hidden_states(self, *args: Any, **kwargs: Any) -> None:
+        if self._deferred is not None and not kwargs:
+            self._deferred.append(("store", args))
+            return
+        super()._store_hidden_states(*args, **kwargs)
+
+    def _precompute_context_kv(self, *args: Any, **kwargs: Any) -> None:
+        if self._deferred is not None and not kwargs:
+            self._deferred.append(("kv", args))
+            return
+        super()._precompute_context_kv(*args, **kwargs)
+
+    def store_context(self, deferred: list[tuple[str, tuple]]) -> None:
+        """The calls a pass without drafts held back: ``store(n, last, aux)`` and then
+        ``kv(0, n)``, replayed as a graph keyed by ``n`` over the target's output
+        tensors (their addresses and shapes); any other sequence runs as it came."""
+        store = DFlashSpeculator._store_hidden_states
+        kv = DFlashSpeculator._precompute_context_kv
+        (first, store_args), *rest = deferred
+        num_tokens = store_args[0]
+        steady = (first == "store" and len(store_args) == 3 and len(rest) == 1
+                  and rest[0][0] == "kv" and rest[0][1] in ((0, num_tokens),
+                                                             (0, num_tokens, False)))
+        if not steady:
+            for name, args in deferred:
+                (store if name == "store" else kv)(self, *args)
+            return
+        _, last_hidden_states, aux_hidden_states = store_args
+        outputs = [last_hidden_states, *(aux_hidden_states or ())]
+
+        def launch() -> None:
+            store(self, num_tokens, last_hidden_states, aux_hidden_states)
+            kv(self, 0, num_tokens)
+
+        self.context_graphs.run((num_tokens, len(outputs)), outputs, launch)
+
     def map_batch(self, idx_mapping: torch.Tensor) -> None:
         """``tree_row_of_state`` for a pass over a batch of these state indices
         (``[num_reqs]`` int64, batch order): state ``idx_mapping[i]`` -> row i, every
@@ -140,7 +183,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         k = kwargs.get("num_speculative_tokens")
         built = k != 0
         mapped, self.mapped_batch = self.mapped_batch, None
-        super().propose(input_batch, *args, **kwargs)
+        if k == 0 and not dummy and self.context_graphs.enabled:
+            self._deferred = []
+        try:
+            super().propose(input_batch, *args, **kwargs)
+        finally:
+            deferred, self._deferred = self._deferred, None
+        if deferred:
+            self.store_context(deferred)
         num_reqs = input_batch.num_reqs
         dp_sync_state = kwargs.get("dp_sync_state")
         if dummy and dp_sync_state is not None:
