@@ -20,10 +20,10 @@ into buffers allocated beforehand. Launches that allocate temporaries (torch ops
 rather than kernels writing in place) capture with ``shared_pool``: every graph
 of the group then takes its temporaries from one memory pool, which is safe
 because they die inside the launches and the graphs replay one at a time on one
-stream, and costs the largest graph's temporaries rather than a pool per graph. Off CUDA, in an engine without CUDA graphs
-(``enforce_eager``), during another capture, past ``MAX_GRAPHS`` signatures, or
-when a capture fails, the launches run eagerly: the outputs are the same either
-way.
+stream, and costs the largest graph's temporaries rather than a pool per graph.
+Off CUDA, in an engine without CUDA graphs (``enforce_eager``), during another
+capture, past ``MAX_GRAPHS`` signatures, or when a capture fails, the launches run
+eagerly: the outputs are the same either way.
 """
 
 from __future__ import annotations
