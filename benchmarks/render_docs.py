@@ -431,10 +431,12 @@ def projection_8b(doc: Doc) -> str:
 
 
 def serving_rows(summary: list[dict], tokens: str,
-                 extra: Callable[[dict], list[str]] = lambda r: []) -> list[list[str]]:
+                 extra: Callable[[dict], list[str]] = lambda r: [],
+                 chain: str = "vs_chain") -> list[list[str]]:
     """bench_serving.py's summary rows by batch and method: tau, tokens/s (``tokens``
-    formats the median and the 90% interval's ends), the ratios with intervals, then
-    ``extra(row)``'s cells."""
+    formats the median and the 90% interval's ends), the ratios to plain decoding and
+    to ``chain`` (``vs_chain``, or ``vs_best_chain``: the faster chain) with intervals,
+    then ``extra(row)``'s cells."""
     def ratio(cell: dict | None) -> str:
         if not cell:
             return "-"
@@ -447,7 +449,7 @@ def serving_rows(summary: list[dict], tokens: str,
         low, high = speed["interval_90"]
         rows.append([str(r["load"]), r["method"], f"{r['tau']:.2f}" if r["tau"] else "-",
                      f"{speed['median']:{tokens}} ({low:{tokens}}-{high:{tokens}})",
-                     ratio(r["vs_plain"]), ratio(r["vs_chain"]), *extra(r)])
+                     ratio(r["vs_plain"]), ratio(r.get(chain)), *extra(r)])
     return rows
 
 
@@ -503,24 +505,10 @@ def serving_h100_b16(doc: Doc) -> str:
     first = load(Path(pooled["files"][0]).name)
     settings = first["settings"]
     sources = [SERVING_H100_B16] + [Path(f).name for f in pooled["files"]]
-
-    def ratio(cell: dict | None) -> str:
-        if not cell:
-            return "-"
-        low, high = cell["interval_90"]
-        return f"{x(cell['median'])} ({low:.2f}-{high:.2f})"
-
     blocks = []
     for name in sorted({r["set"] for r in pooled["rows"]}):
-        rows = []
-        for r in sorted((r for r in pooled["rows"] if r["set"] == name),
-                        key=lambda r: (r["load"], r["method"])):
-            speed = r["tok_per_s"]
-            low, high = speed["interval_90"]
-            rows.append([str(r["load"]), r["method"], f"{r['tau']:.2f}" if r["tau"] else "-",
-                         f"{speed['median']:,.0f} ({low:,.0f}-{high:,.0f})",
-                         ratio(r["vs_plain"]), ratio(r.get("vs_best_chain")),
-                         f"{r['runs']} / {r['rounds']}"])
+        rows = serving_rows([r for r in pooled["rows"] if r["set"] == name], ",.0f",
+                            lambda r: [f"{r['runs']} / {r['rounds']}"], "vs_best_chain")
         blocks += [f"**{name}**", "",
                    table(["batch", "method", "tau", "tokens/s (90% interval)", "÷ plain",
                           "÷ best chain", "runs / rounds"], rows, "rllrrrr"), ""]
