@@ -49,7 +49,7 @@ from vllm_ddtree.runner.common import (
     log_graph_coverage,
     warm_up_kernels,
 )
-from vllm_ddtree.runner.step_graphs import enabled_by_env
+from vllm_ddtree.runner.step_graphs import StepGraphs, enabled_by_env
 from vllm_ddtree.runner.v2_sampler import DDTreeV2Sampler, tree_allowed
 from vllm_ddtree.runner.v2_state import DDTreeV2State
 from vllm_ddtree.sync import step_phase, to_device
@@ -99,8 +99,12 @@ def install(runner: GPUModelRunner) -> None:
     runner.ddtree_state = DDTreeV2State.create(ddtree, runner.max_num_reqs,
                                                runner.max_num_tokens, runner.device, graphs)
     runner.ddtree_state.verify_widths |= {k + 1 for k in tree_sizes(runner.vllm_config) if k}
-    runner.speculator.sizing_graphs = runner.ddtree_state.graphs_sizing
-    runner.speculator.context_graphs = runner.ddtree_state.graphs_context
+    # The speculator's own launches between replays (v2_speculator.py), as graphs too.
+    speculator = runner.speculator
+    speculator.sizing_graphs = StepGraphs(runner.device, "tree sizing", graphs,
+                                          shared_pool=True)
+    speculator.context_graphs = StepGraphs(runner.device, "drafter context", graphs,
+                                           shared_pool=True)
     logger.info("DDTree on the V2 model runner: verify width %d, drafter width %d.",
                 ddtree.verify_width, ddtree.drafter_width)
     log_graph_coverage(runner.vllm_config, ddtree)

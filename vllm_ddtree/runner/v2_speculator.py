@@ -66,10 +66,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sized = trees_are_sized(vllm_config)
         self.node_score = torch.zeros(rows, width, dtype=torch.float32, device=device)
         # The cut to k nodes, replayed as a CUDA graph per (batch, k) where the engine
-        # uses graphs (runner/v2.py install gives the state's; eager until then).
+        # uses graphs (runner/v2.py install enables them; eager until then).
         self.sizing_graphs = StepGraphs(device, "tree sizing", enabled=False)
         # A step of size 0 drafts nothing but stores the drafter's context: vLLM runs
-        # that eagerly; it replays as a graph per batch shape (install gives these too).
+        # that eagerly; it replays as a graph per batch shape (enabled by install too).
         self.context_graphs = StepGraphs(device, "drafter context", enabled=False)
         self._deferred: list[tuple[str, tuple]] | None = None
         self._batch_rows = torch.arange(rows, dtype=torch.int64, device=device)

@@ -131,11 +131,6 @@ class DDTreeV2State(RunnerState):
     # The step's launches before the target (the trees) and after it (walk, compaction).
     graphs_before: StepGraphs
     graphs_after: StepGraphs
-    # Between the drafter's pass and the next step: the trees cut to a smaller size
-    # (runner/v2_speculator.py size_trees).
-    graphs_sizing: StepGraphs
-    # A step that drafts nothing: the drafter's context stored (v2_speculator.py).
-    graphs_context: StepGraphs
     # What the attention builders see of each step, its host side kept while the
     # batch's layout repeats.
     attn_infos: StepAttentionInfos = field(default_factory=StepAttentionInfos)
@@ -159,7 +154,5 @@ class DDTreeV2State(RunnerState):
             buffers=StepBuffers.allocate(ddtree, max_num_reqs, max_num_tokens, device),
             graphs_before=StepGraphs(device, "tree layout", graphs),
             graphs_after=StepGraphs(device, "walk and compaction", graphs),
-            graphs_sizing=StepGraphs(device, "tree sizing", graphs, shared_pool=True),
-            graphs_context=StepGraphs(device, "drafter context", graphs, shared_pool=True),
             verify_widths=frozenset({ddtree.verify_width}),
         )
