@@ -121,21 +121,32 @@ def test_v2_greedy_identical_float32(gpu_qwen3, make_drafter, hf_float32, monkey
         assert (f"DDTree {part}: the step's launches replay as a CUDA graph" in log) == graphs
 
 
+# Per sizing: vLLM's batch-size schedule (if any), and the speculator's graphs that its
+# steps must replay (the cut to a smaller tree; the drafter's context at size 0).
+SIZINGS = {
+    "adaptive": (None, ()),
+    "schedule": ([[1, 4, 16], [5, 256, 3]], ("tree sizing",)),
+    "schedule-0": ([[1, 4, 16], [5, 256, 0]], ("drafter context",)),
+}
+
+
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("sizing", ["adaptive", "schedule"])
+@pytest.mark.parametrize("sizing", list(SIZINGS))
 def test_v2_sized_trees_greedy_identical_float32(gpu_qwen3, make_drafter, hf_float32,
                                                  monkeypatch, tmp_path, capfd, v2_runner,
                                                  sizing, graphs):
-    """Trees sized per step (ddtree_adaptive; vLLM's batch-size schedule): the V2
-    speculator cuts its trees to the size asked, and the steps stay lossless."""
+    """Trees sized per step (ddtree_adaptive; vLLM's batch-size schedule, down to no
+    tree): the V2 speculator cuts its trees to the size asked, and the steps stay
+    lossless; with graphs, the cut and the size-0 context calls replay as graphs."""
     ids = [tuple(i) for i in _prompt_ids(gpu_qwen3)]
     expected = hf_float32(ids)
     scripted_drafter.install(monkeypatch, tmp_path, dict(zip(ids, [e[0] for e in expected])))
     config = _ddtree(make_drafter(gpu_qwen3, BLOCK), 16)
-    if sizing == "adaptive":
+    schedule, replayed = SIZINGS[sizing]
+    if schedule is None:
         config["ddtree_adaptive"] = True
     else:
-        config["num_speculative_tokens_per_batch_size"] = [[1, 4, 16], [5, 256, 3]]
+        config["num_speculative_tokens_per_batch_size"] = schedule
     llm = gpu_llm(gpu_qwen3, config, graphs=graphs)
     try:
         batch16 = greedy(llm, PROMPTS16, MAX_TOKENS)
@@ -146,7 +157,13 @@ def test_v2_sized_trees_greedy_identical_float32(gpu_qwen3, make_drafter, hf_flo
     identical = assert_identical_or_near_tie(batch16, expected, FLOAT32_NEAR_TIE)
     assert identical >= len(PROMPTS16) - 2
     assert_identical_or_near_tie(batch1, expected[3:4], FLOAT32_NEAR_TIE)
-    assert 0 < metrics["num_draft_tokens"] < 16 * metrics["num_drafts"]
+    # Batch 1 drafts full trees; batch 16 drafts smaller ones, or none at size 0.
+    assert 0 < metrics["num_draft_tokens"] <= 16 * metrics["num_drafts"]
+    if sizing != "schedule-0":
+        assert metrics["num_draft_tokens"] < 16 * metrics["num_drafts"]
+    log = "".join(capfd.readouterr())
+    for part in replayed:
+        assert (f"DDTree {part}: the step's launches replay as a CUDA graph" in log) == graphs
 
 
 def _prompt_ids(model):
