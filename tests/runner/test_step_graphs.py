@@ -102,6 +102,10 @@ def test_launches_that_cannot_be_captured_stay_eager(monkeypatch):
     assert graphs.num_graphs == 0 and graphs.replays == 0
     assert len(messages) == 1 and "could not be captured" in messages[0]
     torch.cuda.synchronize()  # the failed capture left the device usable
+    # and its random generator too (sampling draws from it), at the same seed.
+    seed = torch.cuda.initial_seed()
+    assert torch.randn(8, device="cuda").isfinite().all()
+    assert torch.cuda.initial_seed() == seed
 
 
 @needs_cuda

@@ -104,6 +104,16 @@ class StepGraphs:
         """Whether another graph is being captured on this device's current stream."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
+    def _release_generator(self) -> None:
+        """After a failed capture: PyTorch ends a capture's hold on the device's default
+        random generator only when the capture ends well, and until then every random
+        op on the device (vLLM's sampling) fails. The generator takes a fresh copy of
+        its own state: the same seed and offset, not held."""
+        index = self.device.index if self.device.index is not None else \
+            torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
+        generator.graphsafe_set_state(generator.clone_state())
+
     def _capture(self, signature: tuple, launch: Callable[[], None]
                  ) -> torch.cuda.CUDAGraph | None:
         """The launches as a graph (on a side stream, as torch.cuda.graph does), or
@@ -124,6 +134,7 @@ class StepGraphs:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 (a graph is an optimization: run eagerly)
             self._eager.add(signature)
+            self._release_generator()
             logger.warning("DDTree %s launches could not be captured in a CUDA graph "
                            "(%s: %s); they run eagerly at this shape.", self.name,
                            type(exc).__name__, exc)
