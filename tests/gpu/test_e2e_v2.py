@@ -117,8 +117,7 @@ def test_v2_greedy_identical_float32(gpu_qwen3, make_drafter, hf_float32, monkey
     assert metrics["num_drafts"] > 0
     assert metrics["num_accepted_tokens"] > metrics["num_drafts"] * min(budget, 2) / 2
     # With graphs, the step's own launches replay as CUDA graphs too (step_graphs.py).
-    for part in ("tree layout", "walk and compaction"):
-        assert (f"DDTree {part}: the step's launches replay as a CUDA graph" in log) == graphs
+    assert_replayed(log, ("tree layout", "walk and compaction"), graphs)
 
 
 # Per sizing: vLLM's batch-size schedule (if any), and the speculator's graphs that its
@@ -139,8 +138,9 @@ def test_v2_sized_trees_greedy_identical_float32(gpu_qwen3, make_drafter, hf_flo
     tree): the V2 speculator cuts its trees to the size asked, and the steps stay
     lossless; with graphs, the cut and the size-0 context calls replay as graphs."""
     # A step of size 0 is vLLM's own decode step, whose Triton attention runs its dots in
-    # TF32 by default: it flipped a token at a 0.0028 gap on an H100. IEEE float32 makes
-    # those steps exact enough for the judge (the tree kernel asks for 3-pass TF32).
+    # TF32 by default (the likely cause of a flip at a 0.0028 gap on an H100, before this
+    # setting); IEEE float32 makes those steps exact enough for the judge (the tree kernel
+    # asks for 3-pass TF32).
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     ids = [tuple(i) for i in _prompt_ids(gpu_qwen3)]
     expected = hf_float32(ids)
@@ -165,8 +165,13 @@ def test_v2_sized_trees_greedy_identical_float32(gpu_qwen3, make_drafter, hf_flo
     assert 0 < metrics["num_draft_tokens"] <= 16 * metrics["num_drafts"]
     if sizing != "schedule-0":
         assert metrics["num_draft_tokens"] < 16 * metrics["num_drafts"]
-    log = "".join(capfd.readouterr())
-    for part in replayed:
+    assert_replayed("".join(capfd.readouterr()), replayed, graphs)
+
+
+def assert_replayed(log: str, parts, graphs: bool) -> None:
+    """Each of the step's ``parts`` (StepGraphs names) logged that its launches replay
+    as a CUDA graph exactly where the engine runs with graphs."""
+    for part in parts:
         assert (f"DDTree {part}: the step's launches replay as a CUDA graph" in log) == graphs
 
 
