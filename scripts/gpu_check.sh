@@ -2,7 +2,8 @@
 # Device side of the GPU checks, run on the lent H200 from the repository root in the
 # call that carries the vLLM kit's last chunk (see ../shared/gpu/GPU.md; build the kit
 # here with scripts/gpu_kit.sh, whose chunks fit a call beside the repository):
-#   bash scripts/gpu_check.sh [tests|bench|mla-bench|all|profile|e2e|sets|serving|soak|soak-replay] [extra pytest args]
+#   bash scripts/gpu_check.sh [tests|bench|mla-bench|all|profile|e2e|sets|serving|serving-wait|
+#                              serving-stop|soak|soak-replay] [extra pytest args]
 # (GPU_TESTS names the test files, default the V1 and V2 e2e tests and the V2 interface; E2E_STEM the e2e
 # results' file name.)
 # Installs the plugin next to vLLM 0.33, runs the CUDA tests in parallel engines and/or
@@ -17,6 +18,11 @@
 # SERVING_PAIR=tiny) the same way; it also installs the wheels carried in .serving_kit/
 # (the OpenAI server's dependencies that the vLLM kit lacks; scripts/serving_kit.sh),
 # and needs the prompt sets' packages that `sets` installed in an earlier warm call.
+# SERVING_DETACH=1 runs it detached from the call (scripts/detached.sh), so that a run
+# longer than one call goes on across calls chained back to back: the call that starts
+# it and each later `serving-wait` call wait up to SERVING_WAIT seconds (default 540;
+# exit code 75 while it still runs) and bring back its log and results as they stand;
+# `serving-stop` ends it. Its whole run is bounded by SERVING_TIMEOUT (default 2400).
 # `soak` runs benchmarks/soak_server.py on the real pair the same way: a DDTree server
 # (SOAK_SPEC, default budget 16, top-k cap 4; SOAK_DTYPE, default float32) under
 # SOAK_ARGS (default 670 requests at concurrency 8, 32 and 64, then 8 greedy requests of
@@ -36,6 +42,26 @@ dist=/root/site/vllm_ddtree-0.0.dev0.dist-info; mkdir -p "$dist"
 printf 'Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.0.dev0\n' > "$dist/METADATA"
 printf '[vllm.general_plugins]\nddtree = vllm_ddtree:register\n' > "$dist/entry_points.txt"
 export PYTHONPATH=/root/site:$PWD
+# A serving run detached from an earlier call (SERVING_DETACH=1 below) holds the GPU
+# until it ends: only serving-wait and serving-stop may run beside it.
+run_dir=/root/serving-run
+if bash scripts/detached.sh alive "$run_dir"; then
+  case "$what" in
+    serving-wait|serving-stop) ;;
+    *) echo "a detached serving run still holds the GPU: serving-wait or serving-stop first"
+       exit 1 ;;
+  esac
+else
+  # Processes an earlier call left on the GPU: a call cut off at its time limit leaves
+  # the engines and servers it started running (servers in sessions of their own), and
+  # the next call's engines then find the memory taken.
+  left=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | tr -d ' ')
+  if [ -n "$left" ]; then
+    echo "stopping GPU processes left by an earlier call:" \
+      "$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
+    kill -9 $left 2>/dev/null; sleep 3
+  fi
+fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -123,11 +149,37 @@ if [ "$what" = serving ]; then
     pair="--target $target --drafter $drafter"; stem=serving_h200
   fi
   stem=${SERVING_STEM:-$stem}
-  # bench_serving.py stops its servers on the SIGTERM that timeout sends.
-  timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/bench_serving.py $pair --graphs \
-    --dtype bfloat16 --device-name h200 --out "$out/$stem" ${SERVING_ARGS:-} 2>&1 \
-    | tee "$out/serving.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^(Worker" | tail -60
-  rc=${PIPESTATUS[0]}; echo "serving exit code: $rc"
+  if [ "${SERVING_DETACH:-}" = 1 ]; then
+    # Detached: the run goes on after this call, from a copy of the repository that the
+    # next call's tree does not replace; this call and each `serving-wait` after it wait
+    # up to SERVING_WAIT seconds and take back its results as they stand.
+    rm -rf "$run_dir"; mkdir -p "$run_dir/repo"
+    tar --exclude=./.gpukit --exclude=./.dflash_kit --exclude="./$out" -cf - . \
+      | tar -xf - -C "$run_dir/repo"
+    (cd "$run_dir/repo" && PYTHONPATH=/root/site:$run_dir/repo bash scripts/detached.sh start \
+      "$run_dir" timeout "${SERVING_TIMEOUT:-2400}" python3 benchmarks/bench_serving.py $pair \
+      --graphs --dtype bfloat16 --device-name h200 --out "$run_dir/$stem" ${SERVING_ARGS:-}) \
+      || exit 1
+    what=serving-wait
+  else
+    # bench_serving.py stops its servers on the SIGTERM that timeout sends.
+    timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/bench_serving.py $pair --graphs \
+      --dtype bfloat16 --device-name h200 --out "$out/$stem" ${SERVING_ARGS:-} 2>&1 \
+      | tee "$out/serving.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^(Worker" | tail -60
+    rc=${PIPESTATUS[0]}; echo "serving exit code: $rc"
+  fi
+fi
+if [ "$what" = serving-wait ]; then
+  # Exit code 75: the detached run is still going; the next call waits again.
+  bash scripts/detached.sh wait "$run_dir" "${SERVING_WAIT:-540}"; rc=$?
+  cp "$run_dir"/*.json "$run_dir"/*.png "$out"/ 2>/dev/null
+  cp "$run_dir/log" "$out/serving.log" 2>/dev/null
+  grep -v "^INFO\|^(EngineCore\|^(APIServer\|^(Worker" "$run_dir/log" | tail -60
+  echo "serving exit code: $rc"
+fi
+if [ "$what" = serving-stop ]; then
+  bash scripts/detached.sh stop "$run_dir"
+  cp "$run_dir"/*.json "$run_dir"/*.png "$out"/ 2>/dev/null
 fi
 # Both servers take the same flags; float32 with IEEE dots in Triton (attention).
 soak_server_args="--dtype ${SOAK_DTYPE:-float32} --max-model-len 4096 --max-num-seqs 64"

@@ -77,11 +77,27 @@ def pair(tmp_path, target: str, block: int, **overrides):
     return path, drafter, engine_kw
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-@pytest.mark.parametrize("backend", ["FLASH_ATTN_MLA", "TRITON_MLA"])
-@pytest.mark.parametrize("target,block,budget", [("deepseek_v3", 8, 1),
-                                                 ("deepseek_v3", 8, 17),
-                                                 ("kimi_k25", 16, 16)])
+def bf16_cases() -> list:
+    """Every (target, block, budget) on both backends, eager and with graphs, but for
+    TRITON_MLA with graphs on the Kimi-class target: there, on an H100, two DDTree
+    tokens came 0.312 below the target's best (2.5 bf16 steps of a logit in [16, 32)),
+    at the same token in two runs, while the same case in fp16 stayed within fp16's
+    near tie, 8x tighter (test_mla_greedy_matches_plain_fp16). A wrong mask or a stale
+    row moves a token as far in fp16 as in bf16; a rounding flip does not. So that case
+    is judged in fp16, where its tree attention is checked more closely."""
+    cases = []
+    for target, block, budget in [("deepseek_v3", 8, 1), ("deepseek_v3", 8, 17),
+                                  ("kimi_k25", 16, 16)]:
+        for backend in ["FLASH_ATTN_MLA", "TRITON_MLA"]:
+            for graphs in [False, True]:
+                if (target, backend, graphs) == ("kimi_k25", "TRITON_MLA", True):
+                    continue
+                cases.append(pytest.param(target, block, budget, backend, graphs, id="-".join(
+                    [target, str(block), str(budget), backend, "graphs" if graphs else "eager"])))
+    return cases
+
+
+@pytest.mark.parametrize("target,block,budget,backend,graphs", bf16_cases())
 def test_mla_greedy_matches_plain_bf16(monkeypatch, tmp_path, capfd, target, block, budget,
                                        backend, graphs):
     check_greedy(monkeypatch, tmp_path, capfd, target, block, budget, backend, graphs,
@@ -92,7 +108,9 @@ def test_mla_greedy_matches_plain_bf16(monkeypatch, tmp_path, capfd, target, blo
 def test_mla_greedy_matches_plain_fp16(monkeypatch, tmp_path, capfd, backend):
     """The Kimi-class case with graphs in fp16, whose rounding steps are 8x finer than
     bf16's: a token that was off the best by a bf16 rounding flip is within fp16's
-    near tie here, one a wrong mask or a stale row sent elsewhere stays far off."""
+    near tie here, one a wrong mask or a stale row sent elsewhere stays far off. Both
+    backends passed on an H100; for TRITON_MLA this is the identity check with graphs
+    on this target (bf16_cases)."""
     check_greedy(monkeypatch, tmp_path, capfd, "kimi_k25", 16, 16, backend, True,
                  "float16", FP16_NEAR_TIE)
 
