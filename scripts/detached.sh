@@ -40,6 +40,7 @@ case "$what" in
     echo $? > "$dir/rc"
     ;;
   wait)
+    [ -f "$dir/pid" ] || { echo "detached: no run was started in $dir"; exit 1; }
     deadline=$((SECONDS + ${3:?seconds to wait}))
     while alive && [ "$SECONDS" -lt "$deadline" ]; do sleep 1; done
     if alive; then echo "detached: still running after ${3}s"; exit "$still_running"; fi

@@ -79,4 +79,5 @@ def test_stop_ends_the_run_and_the_processes_it_started(tmp_path):
 def test_nothing_to_start_or_wait_for(tmp_path):
     assert detached("start", tmp_path / "run").returncode == 2
     assert detached("stop", tmp_path / "none").returncode == 0
-    assert detached("wait", tmp_path / "none", 0).returncode == 1
+    none = detached("wait", tmp_path / "none", 0)
+    assert none.returncode == 1 and "no run was started" in none.stdout
