@@ -356,8 +356,9 @@ def test_the_cut_to_a_smaller_size_replays_over_each_passs_trees(monkeypatch):
 def test_a_step_without_drafts_stores_the_drafters_context_through_a_graph(monkeypatch):
     """At size 0 vLLM's pass stores the target's hidden states and the drafter's context
     K/V, and stops. Those two calls replay as a graph (eager, captured, replayed) that
-    reads each step's target outputs; a dummy run, an engine without graphs, or calls in
-    another order run as vLLM made them."""
+    reads each step's target outputs; a dummy run, an engine without graphs, calls in
+    another order, or a step with more tokens than requests (a prefill, a verified tree)
+    run as vLLM made them."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     from vllm_ddtree.runner.v2_speculator import DDTreeSpeculator
@@ -373,13 +374,15 @@ def test_a_step_without_drafts_stores_the_drafters_context_through_a_graph(monke
                             ("kv", start, end)), raising=False)
     last, aux = torch.zeros(8, 4), [torch.zeros(8, 6)]
     order = ["store", "kv"]
+    num_tokens = [3]
 
     def vllm_pass(self, input_batch, *args, **kwargs):  # its branch for no drafts
+        n = num_tokens[0]
         for name in order:
             if name == "store":
-                self._store_hidden_states(3, last, aux)
+                self._store_hidden_states(n, last, aux)
             else:
-                self._precompute_context_kv(0, 3, kwargs.get("dummy_run", False))
+                self._precompute_context_kv(0, n, kwargs.get("dummy_run", False))
 
     monkeypatch.setattr(DFlashSpeculator, "propose", vllm_pass)
     spec = speculator_stub(Step().trees_buffer, torch.zeros(MAX_REQS, dtype=torch.int64))
@@ -394,6 +397,13 @@ def test_a_step_without_drafts_stores_the_drafters_context_through_a_graph(monke
     assert spec.tree_row_of_state.tolist() == [-1] * MAX_REQS and spec._deferred is None
     # Where a graph is not taken: the calls as vLLM made them, in its order.
     seen.clear()
+    num_tokens[0] = 7  # a prefill of 5 tokens beside two decodes: twice, not captured
+    for _ in range(2):
+        DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=0)
+    assert seen == [("store", 7, 56.0, 840.0), ("kv", 0, 7)] * 2
+    assert spec.context_graphs.captures == 1 and spec.context_graphs.replays == 2
+    seen.clear()
+    num_tokens[0] = 3
     DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=0, dummy_run=True)
     order.reverse()
     DDTreeSpeculator.propose(spec, batch, num_speculative_tokens=0)

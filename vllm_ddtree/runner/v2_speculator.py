@@ -144,15 +144,21 @@ class DDTreeSpeculator(DFlashSpeculator):
             return
         super()._precompute_context_kv(*args, **kwargs)
 
-    def store_context(self, deferred: list[tuple[str, tuple]]) -> None:
+    def store_context(self, deferred: list[tuple[str, tuple]], num_reqs: int) -> None:
         """The calls a pass without drafts held back: ``store(n, last, aux)`` and then
         ``kv(0, n)``, replayed as a graph keyed by ``n`` over the target's output
-        tensors (their addresses and shapes); any other sequence runs as it came."""
+        tensors (their addresses and shapes) where the pass was a decode step of
+        ``num_reqs`` requests without drafts, one token each (n == num_reqs), so at most
+        one graph per batch size. A step with a prefill or a verified tree in it (n is
+        its token count, any number up to the step's token budget) and any other
+        sequence run as they came: graphs keyed by those counts would be captured
+        while serving, one per new count."""
         store = DFlashSpeculator._store_hidden_states
         kv = DFlashSpeculator._precompute_context_kv
         (first, store_args), *rest = deferred
         num_tokens = store_args[0]
         steady = (first == "store" and len(store_args) == 3 and len(rest) == 1
+                  and num_tokens == num_reqs
                   and rest[0][0] == "kv" and rest[0][1] in ((0, num_tokens),
                                                              (0, num_tokens, False)))
         if not steady:
@@ -190,7 +196,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         finally:
             deferred, self._deferred = self._deferred, None
         if deferred:
-            self.store_context(deferred)
+            self.store_context(deferred, input_batch.num_reqs)
         num_reqs = input_batch.num_reqs
         dp_sync_state = kwargs.get("dp_sync_state")
         if dummy and dp_sync_state is not None:
