@@ -214,6 +214,9 @@ class OfflineDriver:
     def __init__(self, target: Path, args: argparse.Namespace, prompts: dict, share: float):
         self.target, self.args, self.prompts, self.share = target, args, prompts, share
 
+    def launch(self, methods: list[Method]) -> None:
+        """Nothing: engines in this process start one at a time, in ``start``."""
+
     def start(self, method: Method):
         from vllm import LLM
 
@@ -281,10 +284,12 @@ class OfflineDriver:
 
 def drive(driver, methods: list[Method], keys: list[tuple], rounds: int, together: bool,
           record) -> None:
-    """Start, prepare and time every method's engine. Together: all alive, and in each
-    round each key is timed on every engine in turn, the first engine rotating from
-    round to round. Otherwise each engine runs all its rounds alone. ``record(kind,
-    item)`` gets every result as it comes ("engine", "tau", "round")."""
+    """Start, prepare and time every method's engine. Together: every engine is started
+    (at once where the driver can: ``driver.launch``), then each warmed up in turn, and
+    in each round each key is timed on every engine in turn, the first engine rotating
+    from round to round; no engine warms up or is timed while another starts. Otherwise
+    each engine runs all its rounds alone. ``record(kind, item)`` gets every result as
+    it comes ("engine", "tau", "round")."""
     live: list[tuple[Method, Any]] = []
 
     def start(method: Method) -> bool:
@@ -301,14 +306,23 @@ def drive(driver, methods: list[Method], keys: list[tuple], rounds: int, togethe
         record("engine", {"mode": driver.mode, "method": method.name, "status": "ok",
                           "startup_s": round(time.perf_counter() - started, 1),
                           **driver.settings(handle)})
-        for tau in driver.prepare(handle, method, keys):
-            record("tau", tau)
         return True
 
+    def prepare(method: Method, handle: Any) -> None:
+        for tau in driver.prepare(handle, method, keys):
+            record("tau", tau)
+
     try:
-        for method in methods:
-            if not start(method) or together:
+        if together:
+            driver.launch(methods)
+            for method in methods:
+                start(method)
+            for method, handle in live:
+                prepare(method, handle)
+        for method in methods if not together else []:
+            if not start(method):
                 continue
+            prepare(*live[-1])
             for r in range(rounds):
                 for key in keys:
                     record("round", driver.timed(live[-1][1], method, key, r))

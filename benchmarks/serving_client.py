@@ -57,6 +57,17 @@ class ServerDriver:
     def __init__(self, target: Path, args: argparse.Namespace, prompts: dict, share: float):
         self.target, self.args, self.prompts, self.share = target, args, prompts, share
         self.logs: Path | None = None  # the servers' logs, while they run
+        self.launched: dict[str, dict] = {}  # servers launched and not yet waited for
+
+    def launch(self, methods: list[Method]) -> None:
+        """Start every method's server at once where the KV cache is sized ahead
+        (--kv-cache-memory-bytes): vLLM then does not profile its memory, which servers
+        starting beside each other would upset (each would count the others' memory as
+        its own). Otherwise nothing: each server starts when ``start`` asks for it."""
+        if self.args.kv_cache_memory_bytes is None:
+            return
+        for method in methods:
+            self.launched[method.name] = self.launch_one(method)
 
     def command(self, method: Method, port: int) -> list[str]:
         a = self.args
@@ -74,11 +85,15 @@ class ServerDriver:
         cmd += ["--speculative-config", json.dumps(method.config)] if method.config else []
         return cmd
 
-    def start(self, method: Method) -> dict:
+    def launch_one(self, method: Method) -> dict:
         restore_runner_env()  # the server inherits this process's environment
         self.logs = self.logs or Path(tempfile.mkdtemp(prefix="bench_serving_"))
-        return start_server(lambda port: self.command(method, port),
-                            self.logs / f"{method.name}.log", self.args.startup_timeout)
+        return launch_server(lambda port: self.command(method, port),
+                             self.logs / f"{method.name}.log")
+
+    def start(self, method: Method) -> dict:
+        server = self.launched.pop(method.name, None) or self.launch_one(method)
+        return wait_healthy(server, self.args.startup_timeout)
 
     def run(self, server: dict, key: tuple, index: int) -> tuple[float, list[dict]]:
         name, temperature, concurrency = key
@@ -113,12 +128,18 @@ class ServerDriver:
                            for r in ok if r["output_tokens"] > 1]}
 
     def settings(self, server: dict) -> dict:
-        return {"port": server["port"]}
+        """The port, and the start-up time from the server's launch (the wait in
+        ``start`` alone where servers were launched together)."""
+        return {"port": server["port"],
+                "startup_s": round(time.monotonic() - server["launched"], 1)}
 
     def stop(self, server: dict) -> None:
         stop_server(server)
 
     def close(self) -> None:
+        for server in self.launched.values():  # launched, never started: a run cut short
+            stop_server(server)
+        self.launched.clear()
         if self.logs is not None:
             shutil.rmtree(self.logs, ignore_errors=True)
 
@@ -134,25 +155,30 @@ def restore_runner_env() -> None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = RUNNER_ENV
 
 
-def start_server(command: Callable[[int], list[str]], log: Path, timeout: float) -> dict:
-    """Start ``command(port)`` in its own session, logging to ``log``, and wait until
-    /health answers. Raises RuntimeError with the log's tail when it does not."""
+def launch_server(command: Callable[[int], list[str]], log: Path) -> dict:
+    """Start ``command(port)`` in its own session, logging to ``log``; do not wait."""
     port = free_port()
     with open(log, "wb") as fh:
         proc = subprocess.Popen(command(port), stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    server = {"proc": proc, "url": f"http://127.0.0.1:{port}", "port": port, "log": log}
-    deadline = time.monotonic() + timeout
+    return {"proc": proc, "url": f"http://127.0.0.1:{port}", "port": port, "log": log,
+            "launched": time.monotonic()}
+
+
+def wait_healthy(server: dict, timeout: float) -> dict:
+    """Wait until a launched server's /health answers, at most ``timeout`` seconds from
+    its launch. Raises RuntimeError with the log's tail (and stops it) when it does not."""
+    proc, deadline = server["proc"], server["launched"] + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             with urllib.request.urlopen(server["url"] + "/health", timeout=5):
                 return server
         except OSError:
             time.sleep(1)
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-    stop_server(server)
-    why = f"exited with code {proc.returncode}" if proc.returncode is not None else (
+    tail = "\n".join(server["log"].read_text(errors="replace").splitlines()[-30:])
+    why = f"exited with code {proc.returncode}" if proc.poll() is not None else (
         f"not healthy after {timeout:.0f} s")
+    stop_server(server)
     raise RuntimeError(f"the server {why}:\n{tail}")
 
 

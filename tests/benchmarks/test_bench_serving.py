@@ -284,6 +284,9 @@ class FakeDriver:
         self.log: list[tuple] = []
         self.fail_timed = fail_timed
 
+    def launch(self, methods):
+        self.log.append(("launch", *[m.name for m in methods]))
+
     def start(self, method):
         if method.name == "broken":
             raise ValueError("unknown key")
@@ -291,6 +294,7 @@ class FakeDriver:
         return method.name
 
     def prepare(self, handle, method, keys):
+        self.log.append(("prepare", handle))
         return [{"method": method.name, "set": k[0], "tau": 2.0} for k in keys]
 
     def timed(self, handle, method, key, r):
@@ -321,7 +325,9 @@ def test_drive_together_rotates_the_first_engine_and_survives_a_failed_start():
              for h, load, r in [rest]]
     assert timed == [("a", 1, 0), ("b", 1, 0), ("a", 2, 0), ("b", 2, 0),
                      ("b", 1, 1), ("a", 1, 1), ("b", 2, 1), ("a", 2, 1)]
-    assert driver.log[:2] == [("start", "a"), ("start", "b")]  # both alive before timing
+    # All launched at once, both alive before either warms up, both warm before timing.
+    assert driver.log[:5] == [("launch", "a", "broken", "b"), ("start", "a"), ("start", "b"),
+                              ("prepare", "a"), ("prepare", "b")]
     assert driver.log[-3:] == [("stop", "a"), ("stop", "b"), ("close",)]
     engines = [item for kind, item in got if kind == "engine"]
     assert [e["status"] for e in engines] == ["ok", "failed: unknown key", "ok"]
@@ -331,9 +337,10 @@ def test_drive_together_rotates_the_first_engine_and_survives_a_failed_start():
 def test_drive_one_at_a_time_stops_each_engine_before_the_next():
     driver = FakeDriver()
     bench.drive(driver, methods("a", "b"), [("s", 0.0, 1)], 2, False, lambda *_: None)
-    assert driver.log == [("start", "a"), ("timed", "a", 1, 0), ("timed", "a", 1, 1),
-                          ("stop", "a"), ("start", "b"), ("timed", "b", 1, 0),
-                          ("timed", "b", 1, 1), ("stop", "b"), ("close",)]
+    assert driver.log == [("start", "a"), ("prepare", "a"), ("timed", "a", 1, 0),
+                          ("timed", "a", 1, 1), ("stop", "a"), ("start", "b"),
+                          ("prepare", "b"), ("timed", "b", 1, 0), ("timed", "b", 1, 1),
+                          ("stop", "b"), ("close",)]
 
 
 def test_drive_stops_live_engines_when_a_pass_fails():
@@ -377,6 +384,74 @@ def test_server_command_carries_the_engine_settings(tmp_path):
     driver = serving_client.ServerDriver(tmp_path, eager, {}, 0.2)
     plain = driver.command(bench.Method("p", None), 1)
     assert "--enforce-eager" in plain and "--speculative-config" not in plain
+
+
+def fake_health_server(tmp_path: Path, delay: float = 0.0, code: int | None = None):
+    """A command(port) for launch_server: after ``delay`` s, a static HTTP server whose
+    /health answers; with ``code``, a process that exits with that code instead."""
+    (tmp_path / "health").write_text("ok")
+    if code is not None:
+        return lambda port: [sys.executable, "-c", f"print('dying'); raise SystemExit({code})"]
+    script = (f"import time, http.server, functools; time.sleep({delay}); "
+              "h = functools.partial(http.server.SimpleHTTPRequestHandler, "
+              f"directory={str(tmp_path)!r}); "
+              "http.server.HTTPServer(('127.0.0.1', int(__import__('sys').argv[1])), h)"
+              ".serve_forever()")
+    return lambda port: [sys.executable, "-c", script, str(port)]
+
+
+def test_a_launched_server_is_waited_for_until_healthy(tmp_path):
+    server = serving_client.launch_server(fake_health_server(tmp_path, delay=1.0),
+                                          tmp_path / "s.log")
+    try:
+        assert serving_client.wait_healthy(server, 30) is server
+        assert server["proc"].poll() is None
+    finally:
+        serving_client.stop_server(server)
+    assert server["proc"].poll() is not None and not (tmp_path / "s.log").exists()
+
+
+def test_a_server_that_dies_is_reported_with_its_log(tmp_path):
+    server = serving_client.launch_server(fake_health_server(tmp_path, code=3),
+                                          tmp_path / "s.log")
+    with pytest.raises(RuntimeError, match=r"exited with code 3:\n.*dying"):
+        serving_client.wait_healthy(server, 30)
+
+
+def test_the_start_up_deadline_counts_from_the_launch(tmp_path):
+    server = serving_client.launch_server(fake_health_server(tmp_path, delay=30),
+                                          tmp_path / "s.log")
+    server["launched"] -= 100  # launched long ago, as beside slower servers
+    with pytest.raises(RuntimeError, match="not healthy after 5 s"):
+        serving_client.wait_healthy(server, 5)
+    assert server["proc"].poll() is not None
+
+
+@pytest.mark.parametrize("kv_bytes", [None, 1 << 28])
+def test_servers_launch_together_only_with_the_kv_cache_sized_ahead(monkeypatch, tmp_path,
+                                                                    kv_bytes):
+    """With --kv-cache-memory-bytes every server is launched before the first is waited
+    for; without it (vLLM profiles memory, which servers beside it would upset) each is
+    launched when it is started. Servers launched and never started are stopped."""
+    events = []
+    monkeypatch.setattr(serving_client, "launch_server", lambda command, log: (
+        events.append(("launch", log.stem)) or {"name": log.stem}))
+    monkeypatch.setattr(serving_client, "wait_healthy", lambda server, timeout: (
+        events.append(("wait", server["name"])) or server))
+    monkeypatch.setattr(serving_client, "stop_server", lambda server: events.append(
+        ("stop", server["name"])))
+    args = bench.parse_args(["--pair", "tiny"])
+    args.kv_cache_memory_bytes = kv_bytes
+    driver = serving_client.ServerDriver(tmp_path, args, {}, 0.2)
+    driver.launch(methods("a", "b", "c"))
+    driver.start(bench.Method("a", None))
+    driver.start(bench.Method("b", None))
+    driver.close()  # c never started: a run cut short
+    if kv_bytes:
+        assert events == [("launch", "a"), ("launch", "b"), ("launch", "c"), ("wait", "a"),
+                          ("wait", "b"), ("stop", "c")]
+    else:
+        assert events == [("launch", "a"), ("wait", "a"), ("launch", "b"), ("wait", "b")]
 
 
 # --- the streaming client --------------------------------------------------------------
