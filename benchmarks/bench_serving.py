@@ -373,6 +373,11 @@ def plan_lines(args: argparse.Namespace, methods: list[Method], sizes: dict[str,
                      f"{per_round} requests a round, {(args.rounds + extra) * per_round} with "
                      f"warm-up, about {(args.rounds + extra) * per_round * args.max_tokens:,} "
                      "tokens")
+        if mode == "serve" and together:
+            lines.append("serve: servers launched at once (KV cache sized ahead)"
+                         if args.kv_cache_memory_bytes is not None else
+                         "serve: servers start one after another (--kv-cache-memory-bytes "
+                         "launches them at once)")
     return lines
 
 

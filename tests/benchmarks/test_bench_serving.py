@@ -260,6 +260,13 @@ def test_dry_run_prints_the_plan(capsys):
     assert any(line.startswith("offline: batch 1,2; per method 4 requests") for line in lines)
     assert any(line.startswith("serve: concurrency 1,2; per method 6 requests") for line in lines)
     assert "one at a time" in out and "ddtree8" in out
+    assert "servers" not in out  # one at a time: nothing launches together
+
+
+def test_dry_run_says_the_servers_launch_at_once_with_the_kv_cache_sized():
+    lines = bench.main(["--dry-run", "--pair", "tiny", "--engines", "together", "--mode",
+                        "serve"])  # the smoke plan sizes the KV cache
+    assert "serve: servers launched at once (KV cache sized ahead)" in lines
 
 
 @needs_packages
@@ -268,7 +275,7 @@ def test_dry_run_of_the_full_plan_counts_every_set(capsys):
     out = capsys.readouterr().out
     for expected in ("set mt-bench: 80 prompts", "set humaneval: 164 prompts",
                      "set long: 24 prompts", "together, timed in turn",
-                     "ddtree16-adaptive"):
+                     "ddtree16-adaptive", "servers start one after another"):
         assert expected in out
 
 
