@@ -628,14 +628,15 @@ def test_reuses_bench_e2e_rather_than_copying_it():
 def test_smoke_run_on_the_cpu_writes_what_the_summary_reads(tiny_llama, make_drafter,
                                                             tmp_path):
     """Plain decoding and DDTree, offline at batch 1 and 2 and through the server at 1
-    and 2 concurrent requests, one engine at a time: a results file whose rows the
-    summary pools, with tau from vLLM's counters and latencies from the client."""
+    and 2 concurrent requests, both engines alive and timed in turn (the servers
+    launched at once, the KV cache being sized): a results file whose rows the summary
+    pools, with tau from vLLM's counters and latencies from the client."""
     drafter = make_drafter(tiny_llama, 8, mode="repeat")
     stem = tmp_path / "smoke"
     data = bench.main(["--target", str(tiny_llama), "--drafter", str(drafter),
                        "--methods", "plain,ddtree8", "--sets", "smoke", "--batches", "1,2",
                        "--concurrency", "1,2", "--max-tokens", "8", "--rounds", "1",
-                       "--min-prompts", "2", "--engines", "one-at-a-time",
+                       "--min-prompts", "2", "--engines", "together",
                        "--kv-cache-memory-bytes", str(1 << 28), "--out", str(stem)])
     assert [e["status"] for e in data["engines"]] == ["ok"] * 4
     assert len(data["rounds"]) == 8  # 2 modes x 2 methods x 2 loads x 1 round
