@@ -88,8 +88,9 @@ class ServerDriver:
     def launch_one(self, method: Method) -> dict:
         restore_runner_env()  # the server inherits this process's environment
         self.logs = self.logs or Path(tempfile.mkdtemp(prefix="bench_serving_"))
+        taken = frozenset(server["port"] for server in self.launched.values())
         return launch_server(lambda port: self.command(method, port),
-                             self.logs / f"{method.name}.log")
+                             self.logs / f"{method.name}.log", taken)
 
     def start(self, method: Method) -> dict:
         server = self.launched.pop(method.name, None) or self.launch_one(method)
@@ -128,8 +129,8 @@ class ServerDriver:
                            for r in ok if r["output_tokens"] > 1]}
 
     def settings(self, server: dict) -> dict:
-        """The port, and the start-up time from the server's launch (the wait in
-        ``start`` alone where servers were launched together)."""
+        """The port, and the start-up time from the server's launch (for servers
+        launched together, longer than the wait in ``start``)."""
         return {"port": server["port"],
                 "startup_s": round(time.monotonic() - server["launched"], 1)}
 
@@ -155,9 +156,12 @@ def restore_runner_env() -> None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = RUNNER_ENV
 
 
-def launch_server(command: Callable[[int], list[str]], log: Path) -> dict:
-    """Start ``command(port)`` in its own session, logging to ``log``; do not wait."""
-    port = free_port()
+def launch_server(command: Callable[[int], list[str]], log: Path,
+                  taken: frozenset[int] = frozenset()) -> dict:
+    """Start ``command(port)`` in its own session, logging to ``log``; do not wait.
+    ``taken``: ports of servers launched and not yet listening, not to be handed out
+    again."""
+    port = free_port(taken)
     with open(log, "wb") as fh:
         proc = subprocess.Popen(command(port), stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -200,10 +204,14 @@ def stop_server(server: dict) -> None:
     server["log"].unlink(missing_ok=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(taken: frozenset[int] = frozenset()) -> int:
+    """A port free now, not in ``taken``."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            return port
 
 
 def read_counters(url: str) -> dict[str, float]:

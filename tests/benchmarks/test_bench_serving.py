@@ -441,8 +441,10 @@ def test_servers_launch_together_only_with_the_kv_cache_sized_ahead(monkeypatch,
     for; without it (vLLM profiles memory, which servers beside it would upset) each is
     launched when it is started. Servers launched and never started are stopped."""
     events = []
-    monkeypatch.setattr(serving_client, "launch_server", lambda command, log: (
-        events.append(("launch", log.stem)) or {"name": log.stem}))
+    ports = iter(range(9000, 9010))
+    monkeypatch.setattr(serving_client, "launch_server", lambda command, log, taken: (
+        events.append(("launch", log.stem, sorted(taken)))
+        or {"name": log.stem, "port": next(ports)}))
     monkeypatch.setattr(serving_client, "wait_healthy", lambda server, timeout: (
         events.append(("wait", server["name"])) or server))
     monkeypatch.setattr(serving_client, "stop_server", lambda server: events.append(
@@ -454,11 +456,33 @@ def test_servers_launch_together_only_with_the_kv_cache_sized_ahead(monkeypatch,
     driver.start(bench.Method("a", None))
     driver.start(bench.Method("b", None))
     driver.close()  # c never started: a run cut short
-    if kv_bytes:
-        assert events == [("launch", "a"), ("launch", "b"), ("launch", "c"), ("wait", "a"),
-                          ("wait", "b"), ("stop", "c")]
+    if kv_bytes:  # each launch told the ports of the servers launched before it
+        assert events == [("launch", "a", []), ("launch", "b", [9000]),
+                          ("launch", "c", [9000, 9001]), ("wait", "a"), ("wait", "b"),
+                          ("stop", "c")]
     else:
-        assert events == [("launch", "a"), ("wait", "a"), ("launch", "b"), ("wait", "b")]
+        assert events == [("launch", "a", []), ("wait", "a"), ("launch", "b", []),
+                          ("wait", "b")]
+
+
+def test_a_free_port_is_not_one_already_handed_out(monkeypatch):
+    class Socket:  # binds to 9000 first, then 9001
+        ports = iter([9000, 9001])
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(Socket.ports)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(serving_client.socket, "socket", Socket)
+    assert serving_client.free_port(frozenset({9000})) == 9001
 
 
 # --- the streaming client --------------------------------------------------------------
