@@ -313,21 +313,22 @@ def drive(driver, methods: list[Method], keys: list[tuple], rounds: int, togethe
             record("tau", tau)
 
     try:
-        if together:
-            driver.launch(methods)
+        if not together:
             for method in methods:
-                start(method)
-            for method, handle in live:
-                prepare(method, handle)
-        for method in methods if not together else []:
-            if not start(method):
-                continue
-            prepare(*live[-1])
-            for r in range(rounds):
-                for key in keys:
-                    record("round", driver.timed(live[-1][1], method, key, r))
-            driver.stop(live.pop()[1])
-        for r in range(rounds if together else 0):
+                if not start(method):
+                    continue
+                prepare(*live[-1])
+                for r in range(rounds):
+                    for key in keys:
+                        record("round", driver.timed(live[-1][1], method, key, r))
+                driver.stop(live.pop()[1])
+            return
+        driver.launch(methods)
+        for method in methods:
+            start(method)
+        for method, handle in live:
+            prepare(method, handle)
+        for r in range(rounds):
             turn = live[r % len(live):] + live[:r % len(live)] if live else []
             for key in keys:
                 for method, handle in turn:
