@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import prompt_sets  # benchmarks/, beside this script
+import serving_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -54,6 +55,8 @@ SERVING_CPU = "serving_cpu_mtbench.json"
 SERVING_H100 = "serving_h100_offline_mtbench.json"
 # The same over both prompt sets, with the block-16 drafter and the chain's schedule.
 SERVING_H100_B16 = "serving_h100_offline_b16.json"
+# The OpenAI server under load (bench_serving.py --mode serve), one detached run.
+SERVING_SERVE = "serving_h100_serve.json"
 DRAFTERS_CPU = {"b8": ("drafter_cpu_tau_b8.json",),
                 "b16": ("drafter_cpu_tau_b16.json", "drafter_cpu_tau_b16_small.json")}
 TREE_ATTENTION = "tree_attention_split_h200_683208e.json"
@@ -64,6 +67,8 @@ PROFILE = "gpu_profile_20261204_cb12350_real.json"
 SOAK_GPU = (("soak_h100.json", "H100"), ("soak_h200_bf16.json", "H200"))
 # The MLA tree kernel against TRITON_MLA's decode kernel (bench_mla_attention.py).
 MLA_ATTENTION = "mla_attention_h100.json"
+# Tilings tried for it at budgets 16-512, one run beside the tiling it had before.
+MLA_TILINGS = "mla_attention_h100_tilings.json"
 
 
 class Doc:
@@ -526,6 +531,67 @@ def serving_h100_b16(doc: Doc) -> str:
     ])
 
 
+def round_tpot_p99(data: dict, name: str, load: int, method: str) -> dict[int, float]:
+    """TPOT p99 in ms of one method's pass in each round, by round."""
+    return {r["round"]: 1000 * serving_summary.percentile(r["tpot_s"], 99)
+            for r in data["rounds"] if (r["set"], r["load"], r["method"]) == (name, load, method)
+            and r.get("tpot_s")}
+
+
+def tpot_vs_best_chain(data: dict, row: dict) -> str:
+    """A row's TPOT p99 over the faster chain's (by tokens/s) in the same round: the
+    median ratio and its range over rounds."""
+    name, load = row["set"], row["load"]
+    passes = [r for r in data["rounds"] if (r["set"], r["load"]) == (name, load)]
+    mine = round_tpot_p99(data, name, load, row["method"])
+    ratios = []
+    for index, p99 in sorted(mine.items()):
+        chains = [r for r in passes if r["round"] == index
+                  and serving_summary.is_chain(r["method"])]
+        if chains:
+            best = max(chains, key=lambda r: r["tok_per_s"])["method"]
+            ratios.append(p99 / round_tpot_p99(data, name, load, best)[index])
+    if not ratios:
+        return "-"
+    return f"{x(statistics.median(ratios))} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+@renderer("serving-serve")
+def serving_serve(doc: Doc) -> str:
+    """bench_serving.py's serve mode, one run: per prompt set and concurrency, tokens/s
+    and its ratios with intervals, TTFT and TPOT percentiles over every request, and
+    TPOT p99 against the faster chain's, round by round."""
+    data = load(SERVING_SERVE)
+    settings = data["settings"]
+    rows = serving_summary.summarize([data])
+    blocks = []
+    for name in sorted({r["set"] for r in rows}):
+        mine = [r for r in rows if r["set"] == name]
+        cells = serving_rows(mine, ",.0f", lambda r: [
+            f"{fmt_ms(r['ttft_ms'])}", f"{fmt_ms(r['tpot_ms'])}", tpot_vs_best_chain(data, r),
+            str(r["errors"])], "vs_best_chain")
+        blocks += [f"**{name}**", "",
+                   table(["concurrency", "method", "tau", "tokens/s (90% interval)", "÷ plain",
+                          "÷ best chain", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
+                          "TPOT p99 ÷ best chain", "errors"], cells, "rllrrrrrrr"), ""]
+    rounds = sorted({r["round"] for r in data["rounds"]})
+    return "\n".join(blocks + [
+        (f"Real pair (SmolLM2-135M and the {Path(data['drafter']).name} drafter), vLLM's "
+         f"OpenAI server on one lent {data['device'].upper()}, {settings['dtype']}, CUDA "
+         f"graphs, V2 runner, `max_num_seqs` {settings['max_num_seqs']}, "
+         f"{settings['max_tokens']} new tokens per request, at least "
+         f"{settings['min_prompts']} requests a pass, {len(rounds)} timed rounds, every "
+         "server alive and loaded in turn by a streaming client. TTFT and TPOT are "
+         "percentiles over every request of the row's rounds; \"TPOT p99 ÷ best chain\" "
+         "pairs each round's p99 with that of the faster chain in the same round (median, "
+         f"range over rounds). Source: {doc.link(SERVING_SERVE)}."),
+    ])
+
+
+def fmt_ms(cell: dict) -> str:
+    return " / ".join("-" if cell[q] is None else f"{cell[q]:.1f}" for q in ("p50", "p99"))
+
+
 def method_order(method: str) -> tuple[int, int]:
     """The chain first, then DDTree by budget (``ddtree<B>``)."""
     return (0, 0) if method == "chain" else (1, int(method.removeprefix("ddtree")))
@@ -631,18 +697,31 @@ def mla_attention(doc: Doc) -> str:
     data = load(MLA_ATTENTION)
     grid = size_grid(data["results"], [("decode ms", lambda r: f"{r['decode_ms']:.3f}"),
                                        ("tree ÷ decode", lambda r: f"{r['ratio']:.2f}")])
-    by_budget = data["summary"]["median_ratio_by_budget"]
     worst = max(r["max_abs_diff"] for r in data["results"])
+    tilings = load(MLA_TILINGS)
     return "\n".join([
         grid,
         "",
-        (f"Median tree ÷ decode over every size: {x(data['summary']['median_ratio'])}; by "
-         f"budget: " + ", ".join(f"B={b} {x(v)}" for b, v in by_budget.items()) + ". "
-         f"Largest difference from the torch twin: {worst:.2g}. {data['device']}, "
+        (f"The kernel's default tiling, {data['default_tiling']} (keys per tile x programs per "
+         f"SM aimed at by split-KV): {median_by_budget(data['summary'])}. In the same run, "
+         "at the tiling it had before: " + "; ".join(
+             f"{name}: {median_by_budget(s)}" for name, s in data["summary"]["variants"].items())
+         + f". Largest difference from the torch twin: {worst:.2g}. {data['device']}, "
          f"{data['dtype']}, {data['heads']} heads, latent {data['rank']} + {data['rope']}, "
-         f"{data['page_size']}-token pages, {data['timing']}. "
-         f"Source: {doc.link(MLA_ATTENTION)}."),
+         f"{data['page_size']}-token pages, {data['timing']}. Source: "
+         f"{doc.link(MLA_ATTENTION)}; the tilings tried first, one run beside the tiling "
+         f"{tilings['default_tiling']}: " + "; ".join(
+             f"{name}: {median_by_budget(s)}"
+             for name, s in tilings["summary"]["variants"].items())
+         + f" ({doc.link(MLA_TILINGS)})."),
     ])
+
+
+def median_by_budget(summary: dict) -> str:
+    """A bench_mla_attention.py summary: the median ratio over every size, and by budget."""
+    return (f"median tree ÷ decode {x(summary['median_ratio'])} over every size (by budget: "
+            + ", ".join(f"B={b} {x(v)}" for b, v in summary["median_ratio_by_budget"].items())
+            + ")")
 
 
 @renderer("tree-attention")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -132,6 +134,36 @@ def test_a_new_scale_of_batch_is_measured_not_extrapolated():
     tries = [k for k in (16, 8, 4, 2, 0) for _ in range(TRY_STEPS)]
     assert jump[:len(tries)] == tries  # the sizes tried at the new scale
     assert jump[len(tries):] == [0] * (40 - len(tries))
+
+
+def test_steady_steps_few_and_far_between_still_price_every_size():
+    """A server under load: a request ends and a new one arrives on most steps, and a
+    step with prompt tokens is not timed. A try whose steps all had prompt tokens gives
+    no time, so the size stays untimed at that scale and is tried again, the one tried
+    least lately first, instead of the budget holding for want of any other time."""
+    import random
+
+    accepted = {2: 0.5, 4: 0.6, 8: 0.68, 16: 0.7}.get
+    def verify(rows):
+        return 0.003 + 0.000004 * rows
+    draft = 0.0012
+    assert truth(64, accepted, verify, draft) == 0
+    sizer, draws, verified, chosen = TreeSizer(16), random.Random(0), 0, []
+    for _ in range(4000):
+        num_reqs = 64 - draws.randrange(2)  # a request ended, its successor not yet in
+        k = sizer[num_reqs]
+        chosen.append(k)
+        outcomes = [(verified, accepted(verified))] * num_reqs if verified else []
+        if draws.random() < 0.97:  # a new request's prompt in this step
+            sizer.observe(outcomes)
+        else:
+            sizer.observe(outcomes, num_reqs=num_reqs, verified=verified, drafted=k,
+                          seconds=verify(num_reqs * (verified + 1)) + (draft if k else 0))
+        verified = k
+    assert chosen[-2000:].count(0) > 0.9 * 2000, collections.Counter(chosen[-2000:])
+    line = sizer.report(now=1e9)
+    timed, seen = map(int, re.search(r"(\d+) of (\d+) steps timed", line).groups())
+    assert seen == 4000 and 0 < timed < 0.05 * seen
 
 
 def test_only_steady_steps_are_timed():

@@ -38,7 +38,10 @@ Every size is tried at each new scale of batch (batch sizes within a factor of t
 1, 2-3, 4-7, ...; largest size first), so each size's cost is measured near every batch
 size the engine meets, not extrapolated from batches far smaller. A size tried is held
 for ``TRY_STEPS`` steps: the first verifies the size before it, the others are steady
-and give a time each, so the median of a try passes over one slow step. After the
+and give a time each, so the median of a try passes over one slow step. A try counts
+once it gave a steady time: under a server's steady arrivals most steps carry a new
+request's prompt, and a size whose try had none is tried again (the size tried least
+lately first) rather than left unpriced, which would leave the budget in place. After the
 first tries, a size other than the best is tried again when it is due: no sooner than
 one try of some size in ``explore_every`` steps would have it (tries then take at most
 one step in 16), and late enough that the tries of all other sizes together cost about
@@ -78,6 +81,11 @@ def candidate_sizes(budget: int) -> list[int]:
     return sorted(sizes)
 
 
+def scale_of(num_reqs: int) -> int:
+    """Batch sizes within a factor of two share a scale: 1, 2-3, 4-7, ..."""
+    return max(num_reqs, 1).bit_length()
+
+
 @dataclass
 class TreeSizer:
     """Chooses each step's tree size; see the module docstring."""
@@ -87,11 +95,14 @@ class TreeSizer:
     sizes: list[int] = field(init=False)
     _accepted: dict[int, deque] = field(init=False)  # size -> accepted drafts per request
     _last_tried: dict[tuple[int, int], int] = field(init=False)  # (scale, size) -> step
+    _timed: set[tuple[int, int]] = field(init=False)  # (scale, size) with a steady time
     _hold: tuple[int, int] | None = field(init=False, default=None)  # (size, steps left)
     _cost: dict[int, dict[int, deque]] = field(init=False)  # size -> batch -> seconds
     _batches: dict[int, list[int]] = field(init=False)  # size -> batch sizes timed, ascending
     _median: dict[tuple[int, int], float] = field(init=False)  # (size, batch) -> median
     _step: int = field(init=False, default=0)
+    _seen: int = field(init=False, default=0)  # steps observed, since the log
+    _steady: int = field(init=False, default=0)  # of them timed (steady), since the log
     _chosen: dict[int, Counter] = field(init=False)  # batch -> sizes chosen, since the log
     _last_log: float = field(init=False, default=0.0)
 
@@ -101,6 +112,7 @@ class TreeSizer:
         self.sizes = candidate_sizes(self.budget)
         self._accepted = {k: deque(maxlen=ACCEPT_WINDOW) for k in self.sizes if k > 0}
         self._last_tried = {}
+        self._timed = set()
         self._cost = {k: {} for k in self.sizes}
         self._batches = {k: [] for k in self.sizes}
         self._median = {}
@@ -112,14 +124,16 @@ class TreeSizer:
 
     def choose(self, num_reqs: int) -> int:
         self._step += 1
-        scale = max(num_reqs, 1).bit_length()  # batch sizes within a factor of two
+        scale = scale_of(num_reqs)
         tried = self._last_tried
-        untried = [k for k in self.sizes if (scale, k) not in tried]
+        # Not yet timed at this scale: a try that gave no steady step (every step of it
+        # had prompt tokens, as under a server's steady arrivals) does not count.
+        untimed = [k for k in self.sizes if (scale, k) not in self._timed]
         if self._hold is not None:
             k, left = self._hold
             self._hold = (k, left - 1) if left > 1 else None
-        elif untried:
-            k = self._try(untried[-1])
+        elif untimed:  # the one tried least lately, the largest first
+            k = self._try(min(untimed, key=lambda s: (tried.get((scale, s), -1), -s)))
         else:
             k = self.best(num_reqs)
             due = [s for s in self.sizes if s != k and self._due(num_reqs, scale, s, k)]
@@ -212,6 +226,7 @@ class TreeSizer:
         """One step's outcome: ``(drafts verified, drafts accepted)`` per request and,
         for a pure decode step, its batch size, the size every request verified, the
         size it drafted for the next step, and its duration (counted if steady)."""
+        self._seen += 1
         for drafts, accepted in drafts_and_accepted:
             if drafts in self._accepted:
                 self._accepted[drafts].append(accepted)
@@ -223,6 +238,8 @@ class TreeSizer:
             self._cost[k][num_reqs] = deque(maxlen=COST_WINDOW)
             bisect.insort(self._batches[k], num_reqs)
         self._cost[k][num_reqs].append(seconds)
+        self._timed.add((scale_of(num_reqs), k))
+        self._steady += 1
         # Kept here, once per sample: the scheduler reads step_time several times a step.
         self._median[(k, num_reqs)] = statistics.median(self._cost[k][num_reqs])
 
@@ -237,7 +254,8 @@ class TreeSizer:
         chosen = ", ".join(f"{n} reqs: {sizes.most_common(1)[0][0]}"
                            for n, sizes in sorted(self._chosen.items()))
         widest = max(self._chosen)
-        self._chosen = {}
+        timed = f"{self._steady} of {self._seen} steps timed"
+        self._chosen, self._seen, self._steady = {}, 0, 0
         means = ", ".join(
             f"{k}: {a:.2f}" for k in self.sizes if k and (a := self.accepted(k)) is not None
         )
@@ -246,4 +264,5 @@ class TreeSizer:
             if (t := self.step_time(widest, k)) is not None
         )
         return (f"DDTree tree sizes chosen (batch: nodes) {chosen}; accepted drafts per "
-                f"request by size {means}; step ms by size at {widest} reqs {costs}")
+                f"request by size {means}; step ms by size at {widest} reqs {costs}; "
+                f"{timed} (steady decode steps only)")

@@ -44,7 +44,7 @@ from vllm_ddtree.tensors import pack_tree_mask
 __all__ = ["mla_tree_attention_triton"]
 
 # The tiling: keys per tile, and the programs per SM that split-KV aims at.
-BLOCK_N, WAVES = 16, 2
+BLOCK_N, WAVES = 32, 8
 
 
 def mla_tree_attention_triton(
