@@ -272,8 +272,9 @@ class OfflineDriver:
     def settings(self, llm) -> dict:
         return bench_e2e.engine_settings(llm)
 
-    def stop(self, llm) -> None:
+    def stop(self, llm) -> list[str]:
         llm.llm_engine.engine_core.shutdown()
+        return []  # the engine logs to this process's own output
 
     def close(self) -> None:
         pass
@@ -289,8 +290,13 @@ def drive(driver, methods: list[Method], keys: list[tuple], rounds: int, togethe
     in each round each key is timed on every engine in turn, the first engine rotating
     from round to round; no engine warms up or is timed while another starts. Otherwise
     each engine runs all its rounds alone. ``record(kind, item)`` gets every result as
-    it comes ("engine", "tau", "round")."""
+    it comes ("engine", "tau", "round"; "log": the plugin's log lines of a server)."""
     live: list[tuple[Method, Any]] = []
+
+    def stop(method: Method, handle: Any) -> None:
+        lines = driver.stop(handle)
+        if lines:
+            record("log", {"mode": driver.mode, "method": method.name, "lines": lines})
 
     def start(method: Method) -> bool:
         print(f"[serving] {driver.mode}: starting {method.name}", flush=True)
@@ -321,7 +327,7 @@ def drive(driver, methods: list[Method], keys: list[tuple], rounds: int, togethe
                 for r in range(rounds):
                     for key in keys:
                         record("round", driver.timed(live[-1][1], method, key, r))
-                driver.stop(live.pop()[1])
+                stop(*live.pop())
             return
         driver.launch(methods)
         for method in methods:
@@ -335,8 +341,8 @@ def drive(driver, methods: list[Method], keys: list[tuple], rounds: int, togethe
                     record("round", driver.timed(handle, method, key, r))
             print(f"[serving] {driver.mode}: round {r + 1} of {rounds}", flush=True)
     finally:
-        for _, handle in live:
-            driver.stop(handle)
+        for method, handle in live:
+            stop(method, handle)
         driver.close()
 
 
@@ -471,10 +477,11 @@ def run(args: argparse.Namespace) -> dict:
                                 "tokens_median": statistics.median(sizes[n]),
                                 "tokens_max": max(sizes[n]), "ids": [p.id for p in ps]}
                             for n, ps in prompts.items()},
-            "engines": [], "tau": [], "rounds": []}
+            "engines": [], "tau": [], "rounds": [], "server_logs": []}
 
     def record(kind: str, item: dict) -> None:
-        data[{"engine": "engines", "tau": "tau", "round": "rounds"}[kind]].append(item)
+        data[{"engine": "engines", "tau": "tau", "round": "rounds",
+              "log": "server_logs"}[kind]].append(item)
         Path(f"{stem}.json").write_text(json.dumps(data, indent=1))
 
     runnable = [m for m in methods if not m.skip]

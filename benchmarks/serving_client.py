@@ -134,8 +134,11 @@ class ServerDriver:
         return {"port": server["port"],
                 "startup_s": round(time.monotonic() - server["launched"], 1)}
 
-    def stop(self, server: dict) -> None:
+    def stop(self, server: dict) -> list[str]:
+        """Stop the server; returns the plugin's lines from its log (plugin_lines)."""
+        lines = plugin_lines(server["log"])
         stop_server(server)
+        return lines
 
     def close(self) -> None:
         for server in self.launched.values():  # launched, never started: a run cut short
@@ -184,6 +187,19 @@ def wait_healthy(server: dict, timeout: float) -> dict:
         f"not healthy after {timeout:.0f} s")
     stop_server(server)
     raise RuntimeError(f"the server {why}:\n{tail}")
+
+
+PLUGIN_LINES = 400  # the most plugin log lines kept per server
+
+
+def plugin_lines(log: Path) -> list[str]:
+    """The lines a server logged from this plugin (start-up, the tree sizer's periodic
+    line: sizes chosen, step times, steps timed), the last PLUGIN_LINES of them."""
+    if not log.exists():
+        return []
+    with open(log, errors="replace") as fh:
+        lines = [line.rstrip("\n") for line in fh if "DDTree" in line or "ddtree" in line]
+    return lines[-PLUGIN_LINES:]
 
 
 def stop_server(server: dict) -> None:

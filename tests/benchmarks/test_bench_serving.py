@@ -315,6 +315,7 @@ class FakeDriver:
 
     def stop(self, handle):
         self.log.append(("stop", handle))
+        return [f"DDTree tree sizes chosen ({handle})"] if handle == "b" else []
 
     def close(self):
         self.log.append(("close",))
@@ -339,6 +340,9 @@ def test_drive_together_rotates_the_first_engine_and_survives_a_failed_start():
     engines = [item for kind, item in got if kind == "engine"]
     assert [e["status"] for e in engines] == ["ok", "failed: unknown key", "ok"]
     assert sum(kind == "tau" for kind, _ in got) == 4
+    # A server's plugin log lines are recorded as it stops; none where it logged none.
+    assert [item for kind, item in got if kind == "log"] == [
+        {"mode": "offline", "method": "b", "lines": ["DDTree tree sizes chosen (b)"]}]
 
 
 def test_drive_one_at_a_time_stops_each_engine_before_the_next():
@@ -415,6 +419,24 @@ def test_a_launched_server_is_waited_for_until_healthy(tmp_path):
         assert server["proc"].poll() is None
     finally:
         serving_client.stop_server(server)
+    assert server["proc"].poll() is not None and not (tmp_path / "s.log").exists()
+
+
+def test_a_stopped_server_gives_back_the_plugins_log_lines(tmp_path, monkeypatch):
+    """What the tree sizer logged while serving (sizes chosen, steps timed) comes back
+    from ServerDriver.stop for the results file; other lines and old ones do not."""
+    monkeypatch.setattr(serving_client, "PLUGIN_LINES", 2)
+    args = bench.parse_args(["--pair", "tiny"])
+    driver = serving_client.ServerDriver(tmp_path, args, {}, 0.2)
+    server = serving_client.launch_server(fake_health_server(tmp_path), tmp_path / "s.log")
+    with open(tmp_path / "s.log", "a") as log:
+        log.write("INFO api_server.py: started\n"
+                  "INFO scheduler.py: DDTree: tree size chosen per step\n"
+                  "INFO scheduler.py: DDTree tree sizes chosen (batch: nodes) 64 reqs: 0\n"
+                  "INFO scheduler.py: DDTree tree sizes chosen (batch: nodes) 8 reqs: 4\n")
+    assert driver.stop(server) == [
+        "INFO scheduler.py: DDTree tree sizes chosen (batch: nodes) 64 reqs: 0",
+        "INFO scheduler.py: DDTree tree sizes chosen (batch: nodes) 8 reqs: 4"]
     assert server["proc"].poll() is not None and not (tmp_path / "s.log").exists()
 
 
