@@ -166,6 +166,18 @@ def test_steady_steps_few_and_far_between_still_price_every_size():
     assert seen == 4000 and 0 < timed < 0.05 * seen
 
 
+def test_a_scale_timed_but_never_chosen_at_is_priced():
+    """A step's batch can differ from the one its size was chosen for (requests end in
+    between), so every size can be timed at a scale the sizer never chose at; it then
+    prices them, and tries each again in its turn."""
+    sizer = TreeSizer(16, explore_every=2)
+    for k, seconds in ((0, 0.004), (2, 0.006), (4, 0.007), (8, 0.009), (16, 0.012)):
+        sizer.observe([(k, 1.0)] * 9 if k else [], num_reqs=9, verified=k, drafted=k,
+                      seconds=seconds)
+    chosen = [sizer[9] for _ in range(2000)]
+    assert chosen[0] == sizer.best(9) and set(chosen) == set(sizer.sizes)
+
+
 def test_only_steady_steps_are_timed():
     sizer = TreeSizer(4)
     sizer.observe([], num_reqs=8, verified=4, drafted=0, seconds=0.5)

@@ -138,7 +138,7 @@ class TreeSizer:
             k = self.best(num_reqs)
             due = [s for s in self.sizes if s != k and self._due(num_reqs, scale, s, k)]
             if due:
-                k = self._try(min(due, key=lambda s: tried[(scale, s)]))
+                k = self._try(min(due, key=lambda s: tried.get((scale, s), 0)))
         tried[(scale, k)] = self._step
         self._chosen.setdefault(num_reqs, Counter())[k] += 1
         return k
@@ -150,7 +150,9 @@ class TreeSizer:
 
     def _due(self, num_reqs: int, scale: int, k: int, best: int) -> bool:
         """Whether size ``k`` should be tried again instead of ``best`` (module docstring)."""
-        waited = self._step - self._last_tried[(scale, k)]
+        # A size timed at this scale without being chosen at it (a step's batch can
+        # differ from the one its size was chosen for) counts as tried at the start.
+        waited = self._step - self._last_tried.get((scale, k), 0)
         if waited < self.explore_every * (len(self.sizes) - 1):  # one try in explore_every
             return False
         t_k, t_best = self.step_time(num_reqs, k), self.step_time(num_reqs, best)
