@@ -10,7 +10,13 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_ddtree.config import DDTreeConfig
-from vllm_ddtree.sizing import EXPLORE_SHARE, TRY_STEPS, TreeSizer, candidate_sizes
+from vllm_ddtree.sizing import (
+    EXPLORE_SHARE,
+    TRY_STEPS,
+    UNTIMED_TRIES,
+    TreeSizer,
+    candidate_sizes,
+)
 from vllm_ddtree.spec_config import adaptive_schedule
 
 
@@ -164,6 +170,22 @@ def test_steady_steps_few_and_far_between_still_price_every_size():
     line = sizer.report(now=1e9)
     timed, seen = map(int, re.search(r"(\d+) of (\d+) steps timed", line).groups())
     assert seen == 4000 and 0 < timed < 0.05 * seen
+
+
+def test_a_scale_never_timed_stops_being_tried():
+    """Where every step at a scale carries prompt tokens, its tries give no time; after
+    UNTIMED_TRIES of each size the sizer prices that scale from the others instead of
+    cycling through every size for good."""
+    sizer = TreeSizer(16)
+    for k, seconds in ((0, 0.004), (2, 0.006), (4, 0.007), (8, 0.009), (16, 0.012)):
+        for _ in range(3):
+            sizer.observe([(k, 0.1)] * 9 if k else [], num_reqs=9, verified=k, drafted=k,
+                          seconds=seconds)
+    assert sizer.best(40) == 0
+    chosen = [sizer[40] for _ in range(len(sizer.sizes) * UNTIMED_TRIES * TRY_STEPS + 100)]
+    assert collections.Counter(chosen[:-100]) == {k: UNTIMED_TRIES * TRY_STEPS
+                                                 for k in sizer.sizes}
+    assert chosen[-100:] == [0] * 100
 
 
 def test_a_scale_timed_but_never_chosen_at_is_priced():

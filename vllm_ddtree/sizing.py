@@ -41,7 +41,8 @@ for ``TRY_STEPS`` steps: the first verifies the size before it, the others are s
 and give a time each, so the median of a try passes over one slow step. A try counts
 once it gave a steady time: under a server's steady arrivals most steps carry a new
 request's prompt, and a size whose try had none is tried again (the size tried least
-lately first) rather than left unpriced, which would leave the budget in place. After the
+lately first, up to ``UNTIMED_TRIES`` times) rather than left unpriced, which would leave
+the budget in place. After the
 first tries, a size other than the best is tried again when it is due: no sooner than
 one try of some size in ``explore_every`` steps would have it (tries then take at most
 one step in 16), and late enough that the tries of all other sizes together cost about
@@ -65,6 +66,7 @@ from dataclasses import dataclass, field
 EXPLORE_EVERY = 64  # fewest steps per try, over the sizes other than the best
 EXPLORE_SHARE = 0.02  # most extra time that the tries of other sizes may cost, together
 TRY_STEPS = 4  # steps a size tried is held: TRY_STEPS - 1 steady times
+UNTIMED_TRIES = 16  # tries of a size at one scale that may go untimed before it waits its turn
 ACCEPT_WINDOW = 256  # request-steps per size in the acceptance mean
 COST_WINDOW = 15  # steady step times per (size, batch size) in the cost median
 LOG_EVERY_S = 10.0
@@ -96,6 +98,7 @@ class TreeSizer:
     _accepted: dict[int, deque] = field(init=False)  # size -> accepted drafts per request
     _last_tried: dict[tuple[int, int], int] = field(init=False)  # (scale, size) -> step
     _timed: set[tuple[int, int]] = field(init=False)  # (scale, size) with a steady time
+    _tries: Counter = field(init=False)  # (scale, size) -> tries while untimed
     _hold: tuple[int, int] | None = field(init=False, default=None)  # (size, steps left)
     _cost: dict[int, dict[int, deque]] = field(init=False)  # size -> batch -> seconds
     _batches: dict[int, list[int]] = field(init=False)  # size -> batch sizes timed, ascending
@@ -113,6 +116,7 @@ class TreeSizer:
         self._accepted = {k: deque(maxlen=ACCEPT_WINDOW) for k in self.sizes if k > 0}
         self._last_tried = {}
         self._timed = set()
+        self._tries = Counter()
         self._cost = {k: {} for k in self.sizes}
         self._batches = {k: [] for k in self.sizes}
         self._median = {}
@@ -128,12 +132,15 @@ class TreeSizer:
         tried = self._last_tried
         # Not yet timed at this scale: a try that gave no steady step (every step of it
         # had prompt tokens, as under a server's steady arrivals) does not count.
-        untimed = [k for k in self.sizes if (scale, k) not in self._timed]
+        # A scale whose steps never give a time stops being tried after UNTIMED_TRIES.
+        untimed = [k for k in self.sizes if (scale, k) not in self._timed
+                   and self._tries[(scale, k)] < UNTIMED_TRIES]
         if self._hold is not None:
             k, left = self._hold
             self._hold = (k, left - 1) if left > 1 else None
         elif untimed:  # the one tried least lately, the largest first
             k = self._try(min(untimed, key=lambda s: (tried.get((scale, s), -1), -s)))
+            self._tries[(scale, k)] += 1
         else:
             k = self.best(num_reqs)
             due = [s for s in self.sizes if s != k and self._due(num_reqs, scale, s, k)]
