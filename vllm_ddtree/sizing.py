@@ -139,7 +139,7 @@ class TreeSizer:
             k, left = self._hold
             self._hold = (k, left - 1) if left > 1 else None
         elif untimed:  # the one tried least lately, the largest first
-            k = self._try(min(untimed, key=lambda s: (tried.get((scale, s), -1), -s)))
+            k = self._try(min(untimed, key=lambda s: (tried.get((scale, s), 0), -s)))
             self._tries[(scale, k)] += 1
         else:
             k = self.best(num_reqs)
