@@ -299,6 +299,46 @@ def test_report_lists_the_sizes_chosen():
     assert sizer.report(now=101.0) is None  # at most one line per LOG_EVERY_S
 
 
+def test_report_says_where_the_time_not_timed_went():
+    """Steps with prompts are not costs, but their time is logged beside the steady
+    steps': where a server's time goes when the steady steps do not account for it.
+    An interval of IDLE_S or more is an idle engine, not a step."""
+    from vllm_ddtree.sizing import IDLE_S
+
+    sizer = TreeSizer(4)
+    for _ in range(3):
+        sizer.observe([], num_reqs=8, verified=4, drafted=4, seconds=0.004)
+    for seconds in (0.010, 0.030, 0.020, IDLE_S + 1):
+        sizer.observe([], seconds=seconds, prompt=True)
+    sizer.observe([], num_reqs=8, verified=2, drafted=4, seconds=0.005)  # a size changed
+    sizer[8]
+    line = sizer.report(now=100.0)
+    assert line.endswith(
+        "3 of 8 steps timed (0.01 s); steps with prompts 3 (0.06 s, median 20.00 ms, "
+        "longest 30.0 ms); other decode steps 1 (0.01 s, median 5.00 ms, longest 5.0 ms)"), line
+    sizer[8]
+    sizer.observe([], num_reqs=8, verified=4, drafted=4, seconds=0.004)
+    line = sizer.report(now=200.0)
+    assert line.endswith("1 of 1 steps timed (0.00 s)"), line
+
+
+def test_scheduler_line_counts_the_step_graphs_met_since_the_last():
+    from vllm_ddtree import scheduler
+    from vllm_ddtree.runner import step_graphs
+
+    mixin = scheduler.TreeSizingMixin.__new__(scheduler.DDTreeScheduler)
+    start = dict(step_graphs.TALLY)
+    try:
+        assert mixin._graphs_since_last_line() == ""
+        step_graphs.TALLY.update({"eager": 5, "captures": 4, "capture_s": 0.012})
+        assert mixin._graphs_since_last_line() == (
+            "; step graphs: 5 new shapes run eagerly, 4 captured in 12 ms")
+        assert mixin._graphs_since_last_line() == ""  # counted once
+    finally:
+        step_graphs.TALLY.clear()
+        step_graphs.TALLY.update(start)
+
+
 def test_scheduler_feeds_decode_steps_only():
     from vllm_ddtree.scheduler import observe_step
 

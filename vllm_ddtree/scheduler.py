@@ -21,6 +21,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.runner import step_graphs
 from vllm_ddtree.sizing import TreeSizer
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
@@ -46,8 +47,21 @@ class TreeSizingMixin:
         observe_step(self.tree_sizer, scheduler_output, model_runner_output, seconds)
         line = self.tree_sizer.report()
         if line is not None:
-            logger.info(line)
+            logger.info(line + self._graphs_since_last_line())
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _graphs_since_last_line(self) -> str:
+        """The runner's step graphs met for the first time since the last line, where
+        the runner shares this process (one GPU: vLLM runs the worker in the engine's
+        process); a step that ran such a shape eagerly or captured it took longer."""
+        now = dict(step_graphs.TALLY)
+        last, self._graphs_logged = getattr(self, "_graphs_logged", {}), now
+        new = {key: now.get(key, 0) - last.get(key, 0) for key in ("eager", "captures",
+                                                                     "capture_s")}
+        if not new["eager"] and not new["captures"]:
+            return ""
+        return (f"; step graphs: {new['eager']} new shapes run eagerly, {new['captures']} "
+                f"captured in {new['capture_s'] * 1e3:.0f} ms")
 
 
 def observe_step(sizer: TreeSizer, scheduler_output, model_runner_output,
@@ -70,7 +84,7 @@ def observe_step(sizer: TreeSizer, scheduler_output, model_runner_output,
     )
     verified = {len(spec.get(req_id, ())) for req_id in num_scheduled}
     if not decode_only or len(verified) != 1:
-        sizer.observe(outcomes)
+        sizer.observe(outcomes, seconds=seconds, prompt=not decode_only)  # only logged
         return
     sizer.observe(outcomes, num_reqs=len(num_scheduled), verified=verified.pop(),
                   drafted=scheduler_output.num_spec_tokens_to_schedule, seconds=seconds)

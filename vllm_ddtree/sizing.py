@@ -70,6 +70,7 @@ UNTIMED_TRIES = 16  # tries of a size at one scale that may go untimed before it
 ACCEPT_WINDOW = 256  # request-steps per size in the acceptance mean
 COST_WINDOW = 15  # steady step times per (size, batch size) in the cost median
 LOG_EVERY_S = 10.0
+IDLE_S = 0.5  # an interval between step outputs this long held idle time, not a step
 
 
 def candidate_sizes(budget: int) -> list[int]:
@@ -107,6 +108,8 @@ class TreeSizer:
     _seen: int = field(init=False, default=0)  # steps observed, since the log
     _steady: int = field(init=False, default=0)  # of them timed (steady), since the log
     _chosen: dict[int, Counter] = field(init=False)  # batch -> sizes chosen, since the log
+    _untimed: dict[str, list[float]] = field(init=False)  # kind -> intervals, since the log
+    _steady_s: float = field(init=False, default=0.0)  # seconds of the timed ones, since the log
     _last_log: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
@@ -121,6 +124,7 @@ class TreeSizer:
         self._batches = {k: [] for k in self.sizes}
         self._median = {}
         self._chosen = {}
+        self._untimed = {"steps with prompts": [], "other decode steps": []}
 
     # vLLM's scheduler reads the size as dynamic_sd_lookup[num_requests].
     def __getitem__(self, num_reqs: int) -> int:
@@ -231,16 +235,21 @@ class TreeSizer:
 
     def observe(self, drafts_and_accepted: Iterable[tuple[int, int]], num_reqs: int | None = None,
                 verified: int | None = None, drafted: int | None = None,
-                seconds: float | None = None) -> None:
-        """One step's outcome: ``(drafts verified, drafts accepted)`` per request and,
-        for a pure decode step, its batch size, the size every request verified, the
-        size it drafted for the next step, and its duration (counted if steady)."""
+                seconds: float | None = None, prompt: bool = False) -> None:
+        """One step's outcome: ``(drafts verified, drafts accepted)`` per request, its
+        duration (the interval since the last step's output) and, for a pure decode
+        step, its batch size, the size every request verified and the size it drafted
+        for the next step. The duration is a cost if the step is steady; otherwise it
+        is only logged, by kind (``prompt``: the step had prompt tokens)."""
         self._seen += 1
         for drafts, accepted in drafts_and_accepted:
             if drafts in self._accepted:
                 self._accepted[drafts].append(accepted)
-        if (num_reqs is None or seconds is None or seconds <= 0 or verified != drafted
-                or verified not in self._cost):
+        if seconds is None or seconds <= 0:
+            return
+        if prompt or num_reqs is None or verified != drafted or verified not in self._cost:
+            if seconds < IDLE_S:  # where the time not timed goes, for the log
+                self._untimed["steps with prompts" if prompt else "other decode steps"].append(seconds)
             return
         k = verified
         if num_reqs not in self._cost[k]:
@@ -249,6 +258,7 @@ class TreeSizer:
         self._cost[k][num_reqs].append(seconds)
         self._timed.add((scale_of(num_reqs), k))
         self._steady += 1
+        self._steady_s += seconds
         # Kept here, once per sample: the scheduler reads step_time several times a step.
         self._median[(k, num_reqs)] = statistics.median(self._cost[k][num_reqs])
 
@@ -264,7 +274,13 @@ class TreeSizer:
                            for n, sizes in sorted(self._chosen.items()))
         widest = max(self._chosen)
         timed = f"{self._steady} of {self._seen} steps timed"
-        self._chosen, self._seen, self._steady = {}, 0, 0
+        if self._steady:
+            timed += f" ({self._steady_s:.2f} s)"
+        timed += "".join(f"; {kind} {len(t)} ({sum(t):.2f} s, median "
+                         f"{statistics.median(t) * 1e3:.2f} ms, longest {max(t) * 1e3:.1f} ms)"
+                         for kind, t in self._untimed.items() if t)
+        self._chosen, self._seen, self._steady, self._steady_s = {}, 0, 0, 0.0
+        self._untimed = {kind: [] for kind in self._untimed}
         means = ", ".join(
             f"{k}: {a:.2f}" for k in self.sizes if k and (a := self.accepted(k)) is not None
         )
@@ -273,5 +289,5 @@ class TreeSizer:
             if (t := self.step_time(widest, k)) is not None
         )
         return (f"DDTree tree sizes chosen (batch: nodes) {chosen}; accepted drafts per "
-                f"request by size {means}; step ms by size at {widest} reqs {costs}; "
-                f"{timed} (steady decode steps only)")
+                f"request by size {means}; step ms by size at {widest} reqs {costs} "
+                f"(steady decode steps); {timed}")

@@ -58,6 +58,7 @@ def test_off_cuda_or_off_every_call_runs_the_launches(enabled):
 def test_second_call_captures_and_later_calls_replay_the_buffers_contents(monkeypatch):
     graphs, step = StepGraphs(torch.device("cuda"), "test"), Doubling("cuda")
     messages = logged(monkeypatch, "info")
+    monkeypatch.setattr(step_graphs, "TALLY", step_graphs.Counter())
     for i in range(5):
         step.src.copy_(torch.arange(5) * (i + 1))
         graphs.run(("k", 5), (step.src,), step.launch)
@@ -66,6 +67,9 @@ def test_second_call_captures_and_later_calls_replay_the_buffers_contents(monkey
     assert step.calls == 2 and graphs.captures == 1 and graphs.replays == 4
     assert graphs.num_graphs == 1
     assert len(messages) == 1 and "DDTree test: the step's launches replay" in messages[0]
+    # the log's tally of shapes met for the first time (scheduler.py): one eager, one capture
+    tally = step_graphs.TALLY
+    assert (tally["eager"], tally["captures"]) == (1, 1) and tally["capture_s"] > 0
 
 
 @needs_cuda

@@ -29,6 +29,8 @@ eagerly: the outputs are the same either way.
 from __future__ import annotations
 
 import os
+import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -36,7 +38,7 @@ from vllm.logger import init_logger
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
-__all__ = ["ENV_VAR", "MAX_GRAPHS", "StepGraphs", "enabled_by_env"]
+__all__ = ["ENV_VAR", "MAX_GRAPHS", "TALLY", "StepGraphs", "enabled_by_env"]
 
 # VLLM_DDTREE_STEP_GRAPHS=0 runs the step's launches eagerly in every engine (to tell
 # a graph's fault from the launches' when debugging; read when an engine starts).
@@ -46,6 +48,11 @@ ENV_VAR = "VLLM_DDTREE_STEP_GRAPHS"
 # more where vLLM's buffers are sliced differently. Graphs hold no memory of their
 # own (nothing is allocated inside a capture), so the cap only bounds the tables.
 MAX_GRAPHS = 1024
+
+# What every StepGraphs of this process spent on shapes met for the first time, for the
+# log (scheduler.py): "eager" signatures run eagerly on their first use, "captures" and
+# "capture_s" (host seconds) for the graphs captured at their second.
+TALLY: Counter = Counter()
 
 
 def enabled_by_env() -> bool:
@@ -89,10 +96,14 @@ class StepGraphs:
         if (signature not in self._seen or signature in self._eager
                 or len(self._graphs) >= MAX_GRAPHS or self._capturing()):
             if len(self._seen) < 4 * MAX_GRAPHS:
+                TALLY["eager"] += signature not in self._seen
                 self._seen.add(signature)
             launch()
             return
+        start = time.perf_counter()
         graph = self._capture(signature, launch)
+        TALLY["captures"] += 1
+        TALLY["capture_s"] += time.perf_counter() - start
         if graph is None:
             launch()
             return
