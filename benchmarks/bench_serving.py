@@ -20,6 +20,7 @@ Writes STEM.json (every timed pass, a summary) and STEM.png (tokens/s against lo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -48,7 +49,11 @@ SMOKE = {"sets": "smoke", "batches": "1,2", "concurrency": "1,2", "max_tokens": 
 # The chain's draft length by batch size (vLLM's num_speculative_tokens_per_batch_size),
 # capped at block_size - 1: shorter chains as the verify batch grows.
 DEFAULT_SCHEDULE = "1-8:7,9-16:5,17-32:3,33-:2"
-DDTREE_NAME = re.compile(r"ddtree(\d+)(?:-k(\d+))?(-adaptive)?$")
+DDTREE_NAME = re.compile(r"ddtree(\d+)(?:-k(\d+))?(-adaptive)?(-eager-steps)?$")
+# "-eager-steps": the runner's own launches between replays run eagerly in that engine
+# (VLLM_DDTREE_STEP_GRAPHS=0), beside the same method with them as graphs: what the
+# step graphs, and their captures while serving, cost or save.
+EAGER_STEPS_ENV = {"VLLM_DDTREE_STEP_GRAPHS": "0"}
 
 
 def run_modes(args: argparse.Namespace) -> tuple[str, ...]:
@@ -76,7 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         + ", ".join(f"{k} {v}" for k, v in SMOKE.items()) + ")")
     p.add_argument("--mode", choices=("offline", "serve", "both"), default="both")
     p.add_argument("--methods", help="comma list of plain, chain, chain-schedule, ddtree<B>, "
-                   "ddtree<B>-k<cap>, ddtree<B>-adaptive (default " + FULL["methods"] + ")")
+                   "ddtree<B>-k<cap>, ddtree<B>-adaptive; a DDTree name ending in "
+                   "-eager-steps runs the runner's step launches without CUDA graphs "
+                   "(default " + FULL["methods"] + ")")
     p.add_argument("--chain-schedule", default=DEFAULT_SCHEDULE,
                    help="chain-schedule's draft length by batch size, 'first-last:K,...' "
                         "(an open last range: 'first-:K')")
@@ -130,7 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.methods:
         if name not in ("plain", "chain", "chain-schedule") and not DDTREE_NAME.match(name):
             p.error(f"--methods: unknown method {name!r}; use plain, chain, chain-schedule, "
-                    "ddtree<B>, ddtree<B>-k<cap>, ddtree<B>-adaptive (e.g. ddtree16)")
+                    "ddtree<B>, ddtree<B>-k<cap>, ddtree<B>-adaptive, any DDTree one with "
+                    "-eager-steps (e.g. ddtree16, ddtree16-adaptive-eager-steps)")
     if unknown := set(args.sets) - set(prompt_sets.SET_NAMES):
         p.error(f"--sets: unknown {sorted(unknown)}; the sets are {prompt_sets.SET_NAMES}")
     if min(args.batches + args.concurrency + [args.rounds, args.max_tokens]) < 1:
@@ -191,18 +199,33 @@ def resolve_methods(names: list[str], drafter: Path, block: int, schedule: str,
             out.append(Method(name, {**chain, "num_speculative_tokens_per_batch_size":
                                      parse_schedule(schedule, block - 1)}))
         else:
-            budget, cap, adaptive = DDTREE_NAME.match(name).groups()
+            budget, cap, adaptive, eager_steps = DDTREE_NAME.match(name).groups()
             config = {"method": "ddtree", "model": str(drafter), "ddtree_budget": int(budget),
                       "ddtree_topk_cap": int(cap) if cap else None}
             if "ddtree_adaptive" in keys:
                 config["ddtree_adaptive"] = bool(adaptive)
             skip = None if not adaptive or "ddtree_adaptive" in keys else (
                 "this vllm_ddtree has no ddtree_adaptive key yet")
-            out.append(Method(name, config, skip))
+            out.append(Method(name, config, skip, dict(EAGER_STEPS_ENV) if eager_steps else {}))
     return out
 
 
 # --- the drivers: one per mode ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """``env`` set in this process for the block, then as it was."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class OfflineDriver:
@@ -224,11 +247,13 @@ class OfflineDriver:
         a = self.args
         extra = {k: v for k, v in (("kv_cache_memory_bytes", a.kv_cache_memory_bytes),
                                    ("max_num_seqs", a.max_num_seqs)) if v is not None}
-        return LLM(model=str(self.target), speculative_config=method.config, dtype=a.dtype,
-                   enforce_eager=not a.graphs, gpu_memory_utilization=self.share,
-                   max_model_len=a.max_model_len, disable_log_stats=False, seed=0,
-                   tensor_parallel_size=a.tensor_parallel_size,
-                   disable_custom_all_reduce=a.no_custom_all_reduce, **extra)
+        with environment(method.env):  # the engine's processes read it as they start
+            return LLM(model=str(self.target), speculative_config=method.config,
+                       dtype=a.dtype, enforce_eager=not a.graphs,
+                       gpu_memory_utilization=self.share, max_model_len=a.max_model_len,
+                       disable_log_stats=False, seed=0,
+                       tensor_parallel_size=a.tensor_parallel_size,
+                       disable_custom_all_reduce=a.no_custom_all_reduce, **extra)
 
     def run(self, llm, key: tuple, index: int) -> tuple[int, float]:
         """(tokens, seconds) of one pass: window ``index`` in calls of ``batch``."""
@@ -365,7 +390,8 @@ def plan_lines(args: argparse.Namespace, methods: list[Method], sizes: dict[str,
               f"{args.max_tokens} new tokens per request")]
     for m in methods:
         lines.append(f"  {m.name:<20}" + (f"skipped: {m.skip}" if m.skip else
-                                          json.dumps(m.config) if m.config else "no drafter"))
+                                          json.dumps(m.config) if m.config else "no drafter")
+                     + "".join(f" {k}={v}" for k, v in m.env.items()))
     for name, tokens in sizes.items():
         lines.append(f"set {name}: " + (
             f"{len(tokens)} prompts, {min(tokens)}-{max(tokens)} tokens "

@@ -56,7 +56,7 @@ SERVING_H100 = "serving_h100_offline_mtbench.json"
 # The same over both prompt sets, with the block-16 drafter and the chain's schedule.
 SERVING_H100_B16 = "serving_h100_offline_b16.json"
 # The OpenAI server under load (bench_serving.py --mode serve), one detached run.
-SERVING_SERVE = "serving_h100_serve.json"
+SERVING_SERVE = "serving_h100_serve_sizer.json"
 DRAFTERS_CPU = {"b8": ("drafter_cpu_tau_b8.json",),
                 "b16": ("drafter_cpu_tau_b16.json", "drafter_cpu_tau_b16_small.json")}
 TREE_ATTENTION = "tree_attention_split_h200_683208e.json"

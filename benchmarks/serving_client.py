@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import prompt_sets
@@ -39,6 +39,7 @@ class Method:
     name: str
     config: dict | None  # the speculative_config; None: plain decoding
     skip: str | None = None  # why it cannot run with this plugin, if it cannot
+    env: dict[str, str] = field(default_factory=dict)  # set for this engine or server
 
 
 # The plugin sets VLLM_USE_V2_MODEL_RUNNER in the process that starts a DDTree engine;
@@ -90,7 +91,7 @@ class ServerDriver:
         self.logs = self.logs or Path(tempfile.mkdtemp(prefix="bench_serving_"))
         taken = frozenset(server["port"] for server in self.launched.values())
         return launch_server(lambda port: self.command(method, port),
-                             self.logs / f"{method.name}.log", taken)
+                             self.logs / f"{method.name}.log", taken, method.env)
 
     def start(self, method: Method) -> dict:
         server = self.launched.pop(method.name, None) or self.launch_one(method)
@@ -160,14 +161,15 @@ def restore_runner_env() -> None:
 
 
 def launch_server(command: Callable[[int], list[str]], log: Path,
-                  taken: frozenset[int] = frozenset()) -> dict:
+                  taken: frozenset[int] = frozenset(), env: dict[str, str] | None = None
+                  ) -> dict:
     """Start ``command(port)`` in its own session, logging to ``log``; do not wait.
     ``taken``: ports of servers launched and not yet listening, not to be handed out
-    again."""
+    again; ``env``: variables set for the server on top of this process's."""
     port = free_port(taken)
     with open(log, "wb") as fh:
         proc = subprocess.Popen(command(port), stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **(env or {})})
     return {"proc": proc, "url": f"http://127.0.0.1:{port}", "port": port, "log": log,
             "launched": time.monotonic()}
 

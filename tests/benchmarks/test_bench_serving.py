@@ -243,6 +243,38 @@ def test_methods_and_the_adaptive_key(tmp_path):
     assert after["ddtree16-adaptive"].skip is None
 
 
+def test_a_method_with_eager_steps_runs_its_engine_without_step_graphs(tmp_path,
+                                                                      monkeypatch):
+    """"-eager-steps" is the same DDTree method with VLLM_DDTREE_STEP_GRAPHS=0 set for
+    its server (or offline engine) alone, as an A/B of the step graphs."""
+    from vllm_ddtree.runner.step_graphs import ENV_VAR
+
+    methods = {m.name: m for m in bench.resolve_methods(
+        ["ddtree16-adaptive", "ddtree16-adaptive-eager-steps", "plain"], tmp_path / "d", 16,
+        "1-:15", {"ddtree_adaptive"})}
+    eager = methods["ddtree16-adaptive-eager-steps"]
+    assert eager.config == methods["ddtree16-adaptive"].config
+    assert eager.env == {ENV_VAR: "0"} and not methods["ddtree16-adaptive"].env
+    assert not methods["plain"].env
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    # the server gets it on top of this process's environment; this process does not
+    (tmp_path / "env.py").write_text(
+        f"import os, sys; open(sys.argv[1], 'w').write(os.environ.get({ENV_VAR!r}, 'unset'))")
+    for method, want in ((eager, "0"), (methods["plain"], "unset")):
+        out = tmp_path / f"{method.name}.txt"
+        server = serving_client.launch_server(
+            lambda port, out=out: [sys.executable, str(tmp_path / "env.py"), str(out)],
+            tmp_path / "s.log", env=method.env)
+        server["proc"].wait(30)
+        assert out.read_text() == want
+    assert ENV_VAR not in os.environ
+    with bench.environment(eager.env):
+        assert os.environ[ENV_VAR] == "0"
+    assert ENV_VAR not in os.environ
+    args = bench.parse_args(["--pair", "tiny", "--methods", "plain,ddtree8-eager-steps"])
+    assert args.methods == ["plain", "ddtree8-eager-steps"]
+
+
 def test_windows_and_pass_sizes():
     assert prompt_sets.pass_size("offline", 1, 8) == 8
     assert prompt_sets.pass_size("offline", 16, 8) == 16
@@ -464,7 +496,7 @@ def test_servers_launch_together_only_with_the_kv_cache_sized_ahead(monkeypatch,
     launched when it is started. Servers launched and never started are stopped."""
     events = []
     ports = iter(range(9000, 9010))
-    monkeypatch.setattr(serving_client, "launch_server", lambda command, log, taken: (
+    monkeypatch.setattr(serving_client, "launch_server", lambda command, log, taken, env: (
         events.append(("launch", log.stem, sorted(taken)))
         or {"name": log.stem, "port": next(ports)}))
     monkeypatch.setattr(serving_client, "wait_healthy", lambda server, timeout: (
