@@ -2,8 +2,8 @@
 
 The launches here are small torch ops that write into buffers allocated beforehand,
 as the runner's are. On the CPU (and with graphs off) every call runs them; on CUDA
-the first call of a signature runs them, the second captures and replays them, later
-ones replay, and a replay computes from the buffers' contents at that step. A tensor
+the first calls of a signature run them, its ``capture_after``-th captures and
+replays them (the tests below capture at the second), later ones replay, and a replay computes from the buffers' contents at that step. A tensor
 at another address is another signature; launches that cannot be captured stay eager.
 """
 
@@ -54,9 +54,61 @@ def test_off_cuda_or_off_every_call_runs_the_launches(enabled):
     assert step.calls == 4 and graphs.num_graphs == 0 and graphs.replays == 0
 
 
+class CountingGraphs(StepGraphs):
+    """StepGraphs on the CPU with captures counted instead of made: the choice of when
+    to capture, without a GPU."""
+
+    def __init__(self, **kwargs):
+        super().__init__(torch.device("cpu"), "test", **kwargs)
+        self.enabled = True
+        self.captured: list[tuple] = []
+
+    def _capture(self, signature, launch):
+        self.captured.append(signature)
+        return type("Graph", (), {"replay": staticmethod(launch)})
+
+
+def test_a_signature_is_captured_at_its_capture_after_th_use(monkeypatch):
+    """By default a shape met only within one of the tree sizer's tries (TRY_STEPS
+    uses) runs eagerly every time; its next use captures it. The tally for the log
+    counts each shape's first eager run once and each capture."""
+    from vllm_ddtree.sizing import TRY_STEPS
+
+    monkeypatch.setattr(step_graphs, "TALLY", step_graphs.Counter())
+    monkeypatch.delenv(step_graphs.CAPTURE_AFTER_VAR, raising=False)
+    assert step_graphs.CAPTURE_AFTER == TRY_STEPS + 1
+    graphs, step = CountingGraphs(), Doubling("cpu")
+    for i in range(TRY_STEPS):
+        graphs.run(("k",), (step.src,), step.launch)
+    assert graphs.captured == [] and step.calls == TRY_STEPS
+    graphs.run(("k",), (step.src,), step.launch)  # captured, and replayed
+    graphs.run(("k",), (step.src,), step.launch)
+    assert len(graphs.captured) == 1 and graphs.replays == 2 and graphs.num_graphs == 1
+    graphs.run(("other",), (step.src,), step.launch)
+    assert step_graphs.TALLY["eager"] == 2 and step_graphs.TALLY["captures"] == 1
+    twice = CountingGraphs(capture_after=2)
+    twice.run(("k",), (step.src,), step.launch)
+    twice.run(("k",), (step.src,), step.launch)
+    assert len(twice.captured) == 1
+    with pytest.raises(ValueError, match="capture_after >= 2"):
+        CountingGraphs(capture_after=1)
+
+
+def test_the_capture_use_from_the_environment(monkeypatch):
+    monkeypatch.delenv(step_graphs.CAPTURE_AFTER_VAR, raising=False)
+    assert CountingGraphs().capture_after == step_graphs.CAPTURE_AFTER
+    monkeypatch.setenv(step_graphs.CAPTURE_AFTER_VAR, "2")
+    assert CountingGraphs().capture_after == 2
+    assert CountingGraphs(capture_after=3).capture_after == 3  # the caller's, over it
+    for bad in ("1", "two", "-3"):
+        monkeypatch.setenv(step_graphs.CAPTURE_AFTER_VAR, bad)
+        with pytest.raises(ValueError, match="VLLM_DDTREE_CAPTURE_AFTER must be"):
+            CountingGraphs()
+
+
 @needs_cuda
 def test_second_call_captures_and_later_calls_replay_the_buffers_contents(monkeypatch):
-    graphs, step = StepGraphs(torch.device("cuda"), "test"), Doubling("cuda")
+    graphs, step = StepGraphs(torch.device("cuda"), "test", capture_after=2), Doubling("cuda")
     messages = logged(monkeypatch, "info")
     monkeypatch.setattr(step_graphs, "TALLY", step_graphs.Counter())
     for i in range(5):
@@ -74,7 +126,7 @@ def test_second_call_captures_and_later_calls_replay_the_buffers_contents(monkey
 
 @needs_cuda
 def test_another_address_or_key_is_another_signature():
-    graphs, step = StepGraphs(torch.device("cuda"), "test"), Doubling("cuda")
+    graphs, step = StepGraphs(torch.device("cuda"), "test", capture_after=2), Doubling("cuda")
     other = Doubling("cuda")
     for _ in range(3):
         graphs.run(("k",), (step.src,), step.launch)
@@ -92,7 +144,7 @@ def test_another_address_or_key_is_another_signature():
 
 @needs_cuda
 def test_launches_that_cannot_be_captured_stay_eager(monkeypatch):
-    graphs, step = StepGraphs(torch.device("cuda"), "test"), Doubling("cuda")
+    graphs, step = StepGraphs(torch.device("cuda"), "test", capture_after=2), Doubling("cuda")
 
     def syncing_launch() -> None:  # reads a value on the host: illegal while capturing
         step.launch()
@@ -117,7 +169,7 @@ def test_launches_with_temporaries_share_one_pool_and_replay_right():
     """shared_pool: graphs whose launches allocate temporaries (torch ops) take them
     from one pool; each replay reads its inputs as they are now, whichever graph ran
     before it, and a second signature's capture adds no pool of its own."""
-    graphs = StepGraphs(torch.device("cuda"), "test", shared_pool=True)
+    graphs = StepGraphs(torch.device("cuda"), "test", shared_pool=True, capture_after=2)
     src = torch.arange(64, dtype=torch.float32, device="cuda")
     out = torch.zeros(64, device="cuda")
 

@@ -429,7 +429,7 @@ class ReplayingGraphs(StepGraphs):
     stale, as on the GPU."""
 
     def __init__(self, name: str):
-        super().__init__(torch.device("cpu"), name)
+        super().__init__(torch.device("cpu"), name, capture_after=2)
         self.enabled = True
 
     def _capture(self, signature, launch):

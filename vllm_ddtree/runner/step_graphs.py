@@ -13,9 +13,14 @@ replayed as one graph launch afterwards.
 A caller names every tensor its launches touch that is not the runner's own
 (their addresses must be the captured ones for a replay to be right) and a key
 for everything else the launches depend on (batch size, widths, flags). The
-first time a signature is met the launches run eagerly (kernels compile, caches
-fill); the second time they are captured and replayed; from then on each call
-is one replay. The launches must not allocate what outlives them: they write
+first uses of a signature run the launches eagerly (kernels compile, caches
+fill); its ``CAPTURE_AFTER``-th use captures and replays them; from then on each
+call is one replay. A capture costs the host far more than an eager run of these
+launches: behind a server, sizes the tree sizer tried only once at a batch size
+timed steady steps of 10-29 ms where the size it kept took 4-6 ms, with two of a
+try's three timed steps capturing. A signature met only in one of the sizer's
+tries (``TRY_STEPS`` uses) is therefore never captured, and one met more often is
+captured after a few cheap eager runs. The launches must not allocate what outlives them: they write
 into buffers allocated beforehand. Launches that allocate temporaries (torch ops
 rather than kernels writing in place) capture with ``shared_pool``: every graph
 of the group then takes its temporaries from one memory pool, which is safe
@@ -38,7 +43,8 @@ from vllm.logger import init_logger
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's handlers
 
-__all__ = ["ENV_VAR", "MAX_GRAPHS", "TALLY", "StepGraphs", "enabled_by_env"]
+__all__ = ["CAPTURE_AFTER", "CAPTURE_AFTER_VAR", "ENV_VAR", "MAX_GRAPHS", "TALLY", "StepGraphs",
+           "capture_after_by_env", "enabled_by_env"]
 
 # VLLM_DDTREE_STEP_GRAPHS=0 runs the step's launches eagerly in every engine (to tell
 # a graph's fault from the launches' when debugging; read when an engine starts).
@@ -49,9 +55,16 @@ ENV_VAR = "VLLM_DDTREE_STEP_GRAPHS"
 # own (nothing is allocated inside a capture), so the cap only bounds the tables.
 MAX_GRAPHS = 1024
 
+# The use of a signature that captures it: one past the uses a try of the tree sizer
+# gives a shape (vllm_ddtree/sizing.py's TRY_STEPS, 4), so a shape met only in a try
+# runs eagerly; a shape met more often pays four eager runs before its capture.
+CAPTURE_AFTER = 5
+# VLLM_DDTREE_CAPTURE_AFTER=N captures a signature at its N-th use instead (N >= 2).
+CAPTURE_AFTER_VAR = "VLLM_DDTREE_CAPTURE_AFTER"
+
 # What every StepGraphs of this process spent on shapes met for the first time, for the
 # log (scheduler.py): "eager" signatures run eagerly on their first use, "captures" and
-# "capture_s" (host seconds) for the graphs captured at their second.
+# "capture_s" (host seconds) for the graphs captured (at their CAPTURE_AFTER-th use).
 TALLY: Counter = Counter()
 
 
@@ -59,20 +72,35 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV_VAR, "1") not in ("", "0")
 
 
+def capture_after_by_env() -> int:
+    """CAPTURE_AFTER, or the use set by VLLM_DDTREE_CAPTURE_AFTER."""
+    text = os.environ.get(CAPTURE_AFTER_VAR, "").strip()
+    if not text:
+        return CAPTURE_AFTER
+    if not text.isdigit() or int(text) < 2:
+        raise ValueError(f"{CAPTURE_AFTER_VAR} must be a whole number of at least 2 (a "
+                         f"signature's first use runs eagerly), got {text!r}")
+    return int(text)
+
+
 class StepGraphs:
     """CUDA graphs of a fixed sequence of launches, one per signature (a key plus
-    the address and shape of each named tensor), captured at the second use."""
+    the address and shape of each named tensor), captured at its ``capture_after``-th
+    use."""
 
     def __init__(self, device: torch.device, name: str, enabled: bool = True,
-                 shared_pool: bool = False):
+                 shared_pool: bool = False, capture_after: int | None = None):
+        capture_after = capture_after_by_env() if capture_after is None else capture_after
+        if capture_after < 2:
+            raise ValueError("a signature's first use runs eagerly: capture_after >= 2")
         self.device, self.name = torch.device(device), name
-        self.shared_pool = shared_pool
+        self.shared_pool, self.capture_after = shared_pool, capture_after
         self._pool: tuple | None = None  # the graphs' one memory pool (shared_pool)
         # Off CUDA, or where the engine runs without CUDA graphs (enforce_eager):
         # every call runs the launches.
         self.enabled = enabled and self.device.type == "cuda"
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._seen: set[tuple] = set()  # met once: run eagerly, capture next time
+        self._seen: Counter = Counter()  # signature -> eager uses, before its capture
         self._eager: set[tuple] = set()  # their capture failed: always eager
         self._stream: torch.cuda.Stream | None = None
         self.replays = self.captures = 0
@@ -93,11 +121,11 @@ class StepGraphs:
             graph.replay()
             self.replays += 1
             return
-        if (signature not in self._seen or signature in self._eager
+        if (self._seen[signature] < self.capture_after - 1 or signature in self._eager
                 or len(self._graphs) >= MAX_GRAPHS or self._capturing()):
-            if len(self._seen) < 4 * MAX_GRAPHS:
+            if signature in self._seen or len(self._seen) < 4 * MAX_GRAPHS:
                 TALLY["eager"] += signature not in self._seen
-                self._seen.add(signature)
+                self._seen[signature] += 1
             launch()
             return
         start = time.perf_counter()
