@@ -69,10 +69,12 @@ def ancestors_or_self(parents: list[int], node: int) -> set[int]:
 
 class Step:
     """A V2 batch: A (state 5) verifies its tree; B (state 2) uses a repetition penalty,
-    so it verifies its drafts as a chain; C (state 7) is a 4-token prefill chunk."""
+    so it verifies its drafts as a chain; C (state 7) is a prefill chunk of its prompt's
+    tokens 0-3 (``c_tokens=1``: of token 3 alone, as a step without other prompt
+    tokens can hold one)."""
 
     def __init__(self, *, a_drafts_match: bool = True, structured: bool = False,
-                 b_penalised: bool = True):
+                 b_penalised: bool = True, c_tokens: int = 4):
         trees = drafted_trees(2)
         self.trees_buffer = DDTree(*(torch.zeros((MAX_REQS, *t.shape[1:]), dtype=t.dtype)
                                      for t in (trees.tokens, trees.parents, trees.depths,
@@ -87,9 +89,10 @@ class Step:
         if not a_drafts_match:
             a_drafts[2] = (a_drafts[2] + 1) % VOCAB
         ids = [int(trees.tokens[0, 0]), *a_drafts.tolist(),
-               int(trees.tokens[1, 0]), *trees.tokens[1, 1:].tolist(), 31, 32, 33, 34]
-        self.positions0 = [*range(10, 17), *range(20, 27), *range(0, 4)]
-        self.query_start = np.array([0, 7, 14, 18], dtype=np.int32)
+               int(trees.tokens[1, 0]), *trees.tokens[1, 1:].tolist(),
+               *[31, 32, 33, 34][4 - c_tokens:]]
+        self.positions0 = [*range(10, 17), *range(20, 27), *range(4 - c_tokens, 4)]
+        self.query_start = np.array([0, 7, 14, 14 + c_tokens], dtype=np.int32)
         use_penalty = np.zeros(MAX_REQS, dtype=bool)
         use_penalty[2] = b_penalised
         self.sampler = SimpleNamespace(
@@ -117,7 +120,7 @@ class Step:
             cu_num_logits_np=np.array([0, 7, 14, 15], dtype=np.int32),
             expanded_local_pos=torch.tensor([*range(7), *range(7), 0], dtype=torch.int32),
             expanded_idx_mapping=torch.tensor([5] * 7 + [2] * 7 + [7]),
-            logits_indices=torch.tensor([*range(14), 17]),
+            logits_indices=torch.tensor([*range(14), 13 + c_tokens]),
             seq_lens_cpu_upper_bound=torch.tensor([17, 27, 4], dtype=torch.int32),
             seq_lens=torch.tensor([17, 27, 4], dtype=torch.int32),
         )
@@ -442,12 +445,13 @@ def test_replayed_steps_read_each_steps_inputs_and_vllms_rotating_buffers():
     third after vLLM moved ``prefill_len`` to another of its UVA buffers (as it does
     when a request arrives) with C's prompt now done: every step walks, counts and
     compacts as the first, and the third counts C's token (a graph over the old
-    buffer would still see C prefilling)."""
-    step = Step(b_penalised=False)
+    buffer would still see C prefilling). C's chunk is one token, so the step has no
+    other prompt tokens and its launches take the graphs."""
+    step = Step(b_penalised=False, c_tokens=1)
     greedy_sampler(step)
     state = step.state
     state.graphs_before, state.graphs_after = ReplayingGraphs("before"), ReplayingGraphs("after")
-    hidden0 = torch.arange(18, dtype=torch.float32)[:, None].repeat(1, 4)
+    hidden0 = torch.arange(15, dtype=torch.float32)[:, None].repeat(1, 4)
     hidden, aux = hidden0.clone(), hidden0 + 100
     ids0 = step.batch.input_ids.clone()  # the compaction moves token ids too
     outs = []
@@ -479,6 +483,35 @@ def test_replayed_steps_read_each_steps_inputs_and_vllms_rotating_buffers():
     assert outs[1][0].num_sampled.tolist() == [len(path) + 1, 1, 0]
     assert outs[2][0].num_sampled.tolist() == [len(path) + 1, 1, 1]  # C's prompt done
     assert outs[2][0].num_rejected.tolist()[2] == 0  # one logits row, one token
+
+
+def test_steps_with_a_prompt_chunk_run_their_launches_as_they_come():
+    """C's four prompt tokens give the step a token count of its own: three such steps
+    capture no graph (one per count would be captured while serving), and each walks,
+    counts and compacts as the first."""
+    step = Step(b_penalised=False)
+    greedy_sampler(step)
+    state = step.state
+    state.graphs_before, state.graphs_after = ReplayingGraphs("before"), ReplayingGraphs("after")
+    ids0 = step.batch.input_ids.clone()
+    outs = []
+    for _ in range(3):
+        step.batch.positions.copy_(torch.tensor(step.positions0))
+        step.batch.input_ids.copy_(ids0)
+        step.begin()
+        assert not state.decode_only
+        path = a_deep_path(step)
+        logits = torch.nn.functional.one_hot(target_tokens_for(step, path, a_bonus=17),
+                                             VOCAB).float()
+        hidden = torch.arange(18, dtype=torch.float32)[:, None].repeat(1, 4)
+        state.exec_state = SimpleNamespace(slot_mappings_by_layer={}, hidden_states=hidden,
+                                           aux_hidden_states=[hidden + 100])
+        outs.append(v2_sampler.DDTreeV2Sampler(step.runner, None)(logits, step.batch))
+    assert state.graphs_before.captures == state.graphs_after.captures == 0
+    assert state.graphs_before.replays == state.graphs_after.replays == 0
+    for out in outs:
+        assert torch.equal(out.sampled_token_ids, outs[0].sampled_token_ids)
+        assert out.num_sampled.tolist() == [len(path) + 1, 1, 0]  # C prefilling
 
 
 @pytest.mark.parametrize("num_reqs", [1, 2, 3, 5, MAX_REQS])

@@ -151,7 +151,7 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
     the device."""
     state: DDTreeV2State = runner.ddtree_state
     state.step = state.attn_info = None
-    state.chain_only = False
+    state.chain_only = state.decode_only = False
     num_draft = input_batch.num_draft_tokens_per_req
     if input_batch.num_draft_tokens == 0 or num_draft is None:
         return
@@ -159,6 +159,7 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
     num_draft = num_draft[:num_reqs].astype(np.int64)
     query_start = input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
     width = int(num_draft.max()) + 1
+    state.decode_only = bool((np.diff(query_start) == num_draft + 1).all())
     # Which requests may verify their tree: the rest verify their drafts as a chain.
     state.chain_only = bool(input_batch.has_structured_output_reqs)
     allowed = np.zeros(num_reqs, dtype=bool) if state.chain_only else \
@@ -190,10 +191,11 @@ def begin_verify_step(runner: GPUModelRunner, input_batch: InputBatch) -> None:
             cu_num_logits=cu_num_logits, out=state.buffers.trees,
         )
 
-    if index is None or state_rows is not None:  # every input stays put: a graph replays
+    if state.decode_only and (index is None or state_rows is not None):
+        # every input stays put and the token count follows the batch: a graph replays
         state.graphs_before.run((num_reqs, width, index is None, input_ids.shape[0]),
                                 (input_ids, query_start_loc, input_batch.positions), launch)
-    else:  # the tree index of a mixed batch is made here, anew each step
+    else:  # a prompt chunk in the step, or a tree index made here anew each step
         launch()
     state.step = TreeVerifyStep(tree=tree, num_scheduled=num_scheduled, row_start=row_start,
                                 max_depth=state.ddtree.max_depth)

@@ -148,8 +148,11 @@ class DDTreeV2Sampler:
             # The drafter's pass over this batch, next, puts request i's tree in row i.
             speculator.map_batch(buffers.idx_mapping)
 
-        key = (num_reqs, width, tokens.shape[0], exec_state is not None, len(touched))
-        state.graphs_after.run(key, touched, launch)
+        if state.decode_only:
+            key = (num_reqs, width, tokens.shape[0], exec_state is not None, len(touched))
+            state.graphs_after.run(key, touched, launch)
+        else:  # a prompt chunk in the step (DDTreeV2State.decode_only): run as it comes
+            launch()
         speculator.mapped_batch = input_batch
         # vLLM copies these to the host on another stream: copies of their own, which
         # the next step's replay does not overwrite (one launch for the three).

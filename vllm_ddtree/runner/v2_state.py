@@ -136,6 +136,11 @@ class DDTreeV2State(RunnerState):
     attn_infos: StepAttentionInfos = field(default_factory=StepAttentionInfos)
     # The step goes to vLLM's rejection sampler as chains (structured outputs).
     chain_only: bool = False
+    # The step holds no prompt tokens (every request schedules its drafts and one more
+    # token): only such steps run their launches through the step graphs. A step with a
+    # prompt chunk has a token count of its own, and graphs keyed by it would be
+    # captured while serving, one per count; its few launches run eagerly instead.
+    decode_only: bool = False
     # Query rows per request of the steps that verify trees: budget + 1, and k + 1 for
     # every other size k a step may verify (config.tree_sizes); set by runner/v2.install.
     verify_widths: frozenset = frozenset()
