@@ -95,7 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="timed rounds")
     p.add_argument("--min-prompts", type=int,
                    help="prompts per pass at least (offline: max(batch, this), in calls of "
-                        "batch; serve: max(2 x concurrency, this) requests)")
+                        "batch; serve: max(per-slot x concurrency, this) requests)")
+    p.add_argument("--per-slot", type=int, default=2,
+                   help="serve: requests per concurrent slot in a pass (default 2); more "
+                        "make each pass longer and steadier")
     p.add_argument("--engines", choices=("together", "one-at-a-time"), default=None,
                    help="all engines alive and timed in turn (default with CUDA), or each "
                         "started, timed and stopped before the next (default on a CPU)")
@@ -143,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--sets: unknown {sorted(unknown)}; the sets are {prompt_sets.SET_NAMES}")
     if min(args.batches + args.concurrency + [args.rounds, args.max_tokens]) < 1:
         p.error("--batches, --concurrency, --rounds and --max-tokens must be at least 1")
+    if args.per_slot < 2:
+        p.error("--per-slot must be at least 2 (later waves arrive while earlier ones decode)")
     try:
         parse_schedule(args.chain_schedule, 64)
     except ValueError as exc:
@@ -397,7 +402,7 @@ def plan_lines(args: argparse.Namespace, methods: list[Method], sizes: dict[str,
             f"{len(tokens)} prompts, {min(tokens)}-{max(tokens)} tokens "
             f"(median {statistics.median(tokens):.0f})" if tokens else "not available"))
     for mode in run_modes(args):
-        per_round = sum(prompt_sets.pass_size(mode, k[2], args.min_prompts)
+        per_round = sum(prompt_sets.pass_size(mode, k[2], args.min_prompts, args.per_slot)
                         for k in keys_for(mode, args) if sizes.get(k[0]))
         extra = 2 if mode == "offline" else 1  # offline: warm-up and counted pass
         what = "batch" if mode == "offline" else "concurrency"
@@ -495,10 +500,11 @@ def run(args: argparse.Namespace) -> dict:
     data = {"benchmark": "bench_serving", "target": str(target), "drafter": str(drafter),
             "device": args.device_name, "engines_together": together,
             "settings": {k: getattr(args, k) for k in (
-                "mode", "max_tokens", "rounds", "min_prompts", "temperatures", "batches",
+                "mode", "max_tokens", "rounds", "min_prompts", "per_slot", "temperatures", "batches",
                 "concurrency", "dtype", "graphs", "max_model_len", "max_num_seqs",
                 "tensor_parallel_size", "chain_schedule", "seed")} | {"gpu_memory_utilization": share},
-            "methods": {m.name: {"config": m.config, "skip": m.skip} for m in methods},
+            "methods": {m.name: {"config": m.config, "skip": m.skip, "env": m.env}
+                        for m in methods},
             "prompt_sets": {n: {"count": len(ps), "tokens_min": min(sizes[n]),
                                 "tokens_median": statistics.median(sizes[n]),
                                 "tokens_max": max(sizes[n]), "ids": [p.id for p in ps]}

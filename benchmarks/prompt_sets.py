@@ -229,12 +229,13 @@ def window(prompts: list, size: int, index: int) -> list:
     return [prompts[(start + i) % len(prompts)] for i in range(size)]
 
 
-def pass_size(mode: str, load: int, min_prompts: int) -> int:
-    """Prompts in one pass: offline a whole number of batches; serve two requests per
-    slot, so the second wave arrives while the first is decoding."""
+def pass_size(mode: str, load: int, min_prompts: int, per_slot: int = 2) -> int:
+    """Prompts in one pass: offline a whole number of batches; serve ``per_slot``
+    requests per slot (at least two, so later waves arrive while earlier ones decode;
+    more make a pass longer next to the one-time costs of its first steps)."""
     if mode == "offline":
         return math.ceil(max(load, min_prompts) / load) * load
-    return max(2 * load, min_prompts)
+    return max(per_slot * load, min_prompts)
 
 
 # --- overlap with the drafter's training corpus -------------------------------------------

@@ -99,7 +99,8 @@ class ServerDriver:
 
     def run(self, server: dict, key: tuple, index: int) -> tuple[float, list[dict]]:
         name, temperature, concurrency = key
-        size = prompt_sets.pass_size("serve", concurrency, self.args.min_prompts)
+        size = prompt_sets.pass_size("serve", concurrency, self.args.min_prompts,
+                                     self.args.per_slot)
         bodies = [{"model": SERVED_NAME, "prompt": p.token_ids,
                    "max_tokens": self.args.max_tokens, "temperature": temperature,
                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}

@@ -281,6 +281,11 @@ def test_windows_and_pass_sizes():
     assert prompt_sets.pass_size("offline", 3, 8) == 9  # whole batches
     assert prompt_sets.pass_size("serve", 1, 8) == 8
     assert prompt_sets.pass_size("serve", 64, 8) == 128
+    assert prompt_sets.pass_size("serve", 64, 8, per_slot=8) == 512
+    assert prompt_sets.pass_size("serve", 1, 16, per_slot=8) == 16
+    assert bench.parse_args(["--pair", "tiny", "--per-slot", "8"]).per_slot == 8
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--pair", "tiny", "--per-slot", "1"])
     assert prompt_sets.window(list(range(10)), 4, 0) == [0, 1, 2, 3]
     assert prompt_sets.window(list(range(10)), 4, 2) == [8, 9, 0, 1]  # wraps around
 
