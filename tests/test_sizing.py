@@ -311,11 +311,13 @@ def test_report_says_where_the_time_not_timed_went():
     for seconds in (0.010, 0.030, 0.020, IDLE_S + 1):
         sizer.observe([], seconds=seconds, prompt=True)
     sizer.observe([], num_reqs=8, verified=2, drafted=4, seconds=0.005)  # a size changed
+    sizer.observe([], seconds=0.007)  # requests that verified different sizes
     sizer[8]
     line = sizer.report(now=100.0)
     assert line.endswith(
-        "3 of 8 steps timed (0.01 s); steps with prompts 3 (0.06 s, median 20.00 ms, "
-        "longest 30.0 ms); other decode steps 1 (0.01 s, median 5.00 ms, longest 5.0 ms)"), line
+        "3 of 9 steps timed (0.01 s); steps with prompts 3 (0.06 s, median 20.00 ms, "
+        "longest 30.0 ms); decode steps of mixed sizes 1 (0.01 s, median 7.00 ms, longest "
+        "7.0 ms); steps changing size 1 (0.01 s, median 5.00 ms, longest 5.0 ms)"), line
     sizer[8]
     sizer.observe([], num_reqs=8, verified=4, drafted=4, seconds=0.004)
     line = sizer.report(now=200.0)
@@ -353,19 +355,25 @@ def test_scheduler_feeds_decode_steps_only():
     assert sizer.accepted(4) == 1 and sizer.step_time(2, 4) == 0.02
     # the same step drafting 2 for the next: not steady, its time is not a cost
     observe_step(sizer, SimpleNamespace(**{**vars(decode), "num_spec_tokens_to_schedule": 2}),
-                 out, 0.5)
+                 out, 0.05)
     assert sizer.step_time(2, 4) == 0.02 and sizer.step_time(2, 2) is None
     # requests that verified different sizes (one capped by its length): no cost
     mixed = SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2, 3, 4], "b": [5, 6]},
                             num_scheduled_tokens={"a": 5, "b": 3},
                             total_num_scheduled_tokens=8, num_spec_tokens_to_schedule=2)
-    observe_step(sizer, mixed, out, 0.5)
+    observe_step(sizer, mixed, out, 0.05)
     assert sizer.accepted(2) == 0 and sizer.step_time(2, 2) is None
     prefill = SimpleNamespace(scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]},
                               num_scheduled_tokens={"a": 5, "c": 40},
                               total_num_scheduled_tokens=45, num_spec_tokens_to_schedule=4)
-    observe_step(sizer, prefill, out, 0.5)
+    observe_step(sizer, prefill, out, 0.05)
     assert sizer._batches[4] == [2]  # the prompt's step is not a decode step's cost
+    # each untimed step is logged under its kind
+    sizer[2]
+    line = sizer.report(now=1e9)
+    for kind in ("steps with prompts 1", "decode steps of mixed sizes 1",
+                 "steps changing size 1"):
+        assert f"; {kind} (0.05 s" in line, line
 
 
 def test_adaptive_key():

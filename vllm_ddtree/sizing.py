@@ -71,6 +71,8 @@ ACCEPT_WINDOW = 256  # request-steps per size in the acceptance mean
 COST_WINDOW = 15  # steady step times per (size, batch size) in the cost median
 LOG_EVERY_S = 10.0
 IDLE_S = 0.5  # an interval between step outputs this long held idle time, not a step
+# The steps not timed, as the log line names them.
+UNTIMED_KINDS = ("steps with prompts", "decode steps of mixed sizes", "steps changing size")
 
 
 def candidate_sizes(budget: int) -> list[int]:
@@ -124,7 +126,7 @@ class TreeSizer:
         self._batches = {k: [] for k in self.sizes}
         self._median = {}
         self._chosen = {}
-        self._untimed = {"steps with prompts": [], "other decode steps": []}
+        self._untimed = {kind: [] for kind in UNTIMED_KINDS}
 
     # vLLM's scheduler reads the size as dynamic_sd_lookup[num_requests].
     def __getitem__(self, num_reqs: int) -> int:
@@ -240,7 +242,8 @@ class TreeSizer:
         duration (the interval since the last step's output) and, for a pure decode
         step, its batch size, the size every request verified and the size it drafted
         for the next step. The duration is a cost if the step is steady; otherwise it
-        is only logged, by kind (``prompt``: the step had prompt tokens)."""
+        is only logged, by kind (UNTIMED_KINDS: ``prompt``, the step had prompt tokens;
+        no ``num_reqs``, its requests verified different sizes; else it changed size)."""
         self._seen += 1
         for drafts, accepted in drafts_and_accepted:
             if drafts in self._accepted:
@@ -249,7 +252,8 @@ class TreeSizer:
             return
         if prompt or num_reqs is None or verified != drafted or verified not in self._cost:
             if seconds < IDLE_S:  # where the time not timed goes, for the log
-                self._untimed["steps with prompts" if prompt else "other decode steps"].append(seconds)
+                kind = 0 if prompt else 1 if num_reqs is None else 2
+                self._untimed[UNTIMED_KINDS[kind]].append(seconds)
             return
         k = verified
         if num_reqs not in self._cost[k]:
