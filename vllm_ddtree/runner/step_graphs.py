@@ -20,12 +20,14 @@ launches: behind a server, sizes the tree sizer tried only once at a batch size
 timed steady steps of 10-29 ms where the size it kept took 4-6 ms, with two of a
 try's three timed steps capturing. A signature met only in one of the sizer's
 tries (``TRY_STEPS`` uses) is therefore never captured, and one met more often is
-captured after a few cheap eager runs. The launches must not allocate what outlives them: they write
-into buffers allocated beforehand. Launches that allocate temporaries (torch ops
-rather than kernels writing in place) capture with ``shared_pool``: every graph
-of the group then takes its temporaries from one memory pool, which is safe
-because they die inside the launches and the graphs replay one at a time on one
-stream, and costs the largest graph's temporaries rather than a pool per graph.
+captured after a few cheap eager runs.
+
+The launches must not allocate what outlives them: they write into buffers
+allocated beforehand. Launches that allocate temporaries (torch ops rather than
+kernels writing in place) capture with ``shared_pool``: every graph of the group
+then takes its temporaries from one memory pool, which is safe because they die
+inside the launches and the graphs replay one at a time on one stream, and costs
+the largest graph's temporaries rather than a pool per graph.
 Off CUDA, in an engine without CUDA graphs (``enforce_eager``), during another
 capture, past ``MAX_GRAPHS`` signatures, or when a capture fails, the launches run
 eagerly: the outputs are the same either way.
