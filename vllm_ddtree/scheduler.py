@@ -37,6 +37,7 @@ class TreeSizingMixin:
         self.tree_sizer = TreeSizer(ddtree.budget)
         self.dynamic_sd_lookup = self.tree_sizer
         self._last_output_at: float | None = None
+        self._graphs_logged = dict(step_graphs.TALLY)  # as of the last log line
         logger.info("DDTree: tree size chosen per step from measured acceptance and step "
                     "time, among %s nodes (ddtree_adaptive).", self.tree_sizer.sizes)
 
@@ -55,7 +56,7 @@ class TreeSizingMixin:
         the runner shares this process (one GPU: vLLM runs the worker in the engine's
         process); a step that ran such a shape eagerly or captured it took longer."""
         now = dict(step_graphs.TALLY)
-        last, self._graphs_logged = getattr(self, "_graphs_logged", {}), now
+        last, self._graphs_logged = self._graphs_logged, now
         new = {key: now.get(key, 0) - last.get(key, 0) for key in ("eager", "captures",
                                                                      "capture_s")}
         if not new["eager"] and not new["captures"]:

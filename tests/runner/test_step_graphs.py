@@ -3,8 +3,9 @@
 The launches here are small torch ops that write into buffers allocated beforehand,
 as the runner's are. On the CPU (and with graphs off) every call runs them; on CUDA
 the first calls of a signature run them, its ``capture_after``-th captures and
-replays them (the tests below capture at the second), later ones replay, and a replay computes from the buffers' contents at that step. A tensor
-at another address is another signature; launches that cannot be captured stay eager.
+replays them (the CUDA tests below capture at the second), later ones replay, and a
+replay computes from the buffers' contents at that step. A tensor at another address
+is another signature; launches that cannot be captured stay eager.
 """
 
 from __future__ import annotations

@@ -440,6 +440,22 @@ class ReplayingGraphs(StepGraphs):
         return SimpleNamespace(replay=launch)
 
 
+def sample_a_deep_path(step: Step, ids0: torch.Tensor, hidden: torch.Tensor,
+                       aux: torch.Tensor):
+    """One step as vLLM runs it: its inputs written into the batch's buffers (as vLLM
+    does each step), the trees laid out, then the walk and compaction over target logits
+    that accept ``a_deep_path`` (A) and the given hidden states. (sampler output, path)"""
+    step.batch.positions.copy_(torch.tensor(step.positions0))
+    step.batch.input_ids.copy_(ids0)
+    step.begin()
+    path = a_deep_path(step)
+    logits = torch.nn.functional.one_hot(target_tokens_for(step, path, a_bonus=17),
+                                         VOCAB).float()
+    step.state.exec_state = SimpleNamespace(slot_mappings_by_layer={}, hidden_states=hidden,
+                                            aux_hidden_states=[aux])
+    return v2_sampler.DDTreeV2Sampler(step.runner, None)(logits, step.batch), path
+
+
 def test_replayed_steps_read_each_steps_inputs_and_vllms_rotating_buffers():
     """Three identical steps through the step graphs (eager, captured, replayed), the
     third after vLLM moved ``prefill_len`` to another of its UVA buffers (as it does
@@ -460,18 +476,9 @@ def test_replayed_steps_read_each_steps_inputs_and_vllms_rotating_buffers():
             done = step.sampler.req_states.prefill_len.gpu.clone()
             done[7] = 4
             step.sampler.req_states.prefill_len = SimpleNamespace(gpu=done)
-        # vLLM writes each step's inputs into the same buffers.
-        step.batch.positions.copy_(torch.tensor(step.positions0))
-        step.batch.input_ids.copy_(ids0)
         hidden.copy_(hidden0)
         aux.copy_(hidden0 + 100)
-        step.begin()
-        path = a_deep_path(step)
-        logits = torch.nn.functional.one_hot(target_tokens_for(step, path, a_bonus=17),
-                                             VOCAB).float()
-        state.exec_state = SimpleNamespace(slot_mappings_by_layer={}, hidden_states=hidden,
-                                           aux_hidden_states=[aux])
-        out = v2_sampler.DDTreeV2Sampler(step.runner, None)(logits, step.batch)
+        out, path = sample_a_deep_path(step, ids0, hidden, aux)
         outs.append((out, hidden.clone(), step.batch.positions.clone()))
     assert state.graphs_after.captures == 1 and state.graphs_after.replays >= 1
     assert state.graphs_before.captures == 1 and state.graphs_before.replays == 2
@@ -496,17 +503,10 @@ def test_steps_with_a_prompt_chunk_run_their_launches_as_they_come():
     ids0 = step.batch.input_ids.clone()
     outs = []
     for _ in range(3):
-        step.batch.positions.copy_(torch.tensor(step.positions0))
-        step.batch.input_ids.copy_(ids0)
-        step.begin()
-        assert not state.decode_only
-        path = a_deep_path(step)
-        logits = torch.nn.functional.one_hot(target_tokens_for(step, path, a_bonus=17),
-                                             VOCAB).float()
         hidden = torch.arange(18, dtype=torch.float32)[:, None].repeat(1, 4)
-        state.exec_state = SimpleNamespace(slot_mappings_by_layer={}, hidden_states=hidden,
-                                           aux_hidden_states=[hidden + 100])
-        outs.append(v2_sampler.DDTreeV2Sampler(step.runner, None)(logits, step.batch))
+        out, path = sample_a_deep_path(step, ids0, hidden, hidden + 100)
+        assert not state.decode_only
+        outs.append(out)
     assert state.graphs_before.captures == state.graphs_after.captures == 0
     assert state.graphs_before.replays == state.graphs_after.replays == 0
     for out in outs:
